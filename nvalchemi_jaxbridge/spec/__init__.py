@@ -1,0 +1,1 @@
+"""spec layer (see docs/design.md)."""

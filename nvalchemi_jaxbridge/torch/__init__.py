@@ -1,0 +1,1 @@
+"""torch layer (see docs/design.md)."""

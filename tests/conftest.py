@@ -1,0 +1,26 @@
+"""Test world: JAX on the CPU with 8 virtual devices, float64 on, strict promotion."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import hypothesis
+import jax
+import pytest
+
+jax.config.update("jax_num_cpu_devices", 8)  # before any backend use
+jax.config.update("jax_enable_x64", True)
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+hypothesis.settings.register_profile(
+    "deterministic", max_examples=30, deadline=None, derandomize=True, print_blob=True
+)
+hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+
+RTOL = {"float32": 1e-5, "float64": 1e-10}
+
+
+@pytest.fixture
+def keys():
+    return iter(jax.random.split(jax.random.key(0), 64))
