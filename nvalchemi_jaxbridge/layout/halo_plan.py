@@ -1,0 +1,599 @@
+"""HaloPlan: owned and ghost rows per device, exchange tables and static capacities (numpy only).
+
+Row layout (docs/design.md): per device, owned storage is `[owned | padding]`
+with `owned_capacity` rows; halo storage is
+`[owned | ghosts by source rank ascending | padding]` with
+`halo_rows = owned_capacity + ghost_capacity` rows and at least one padding
+row (row `n_padded` is the "+1" pad row). Within one source rank's group,
+direct ghosts come first by ascending owned-row index on the sender, then
+shifted images by owned-row index and lattice shift.
+
+Coordinates: owned rows hold the caller's positions as given (wrapped or
+not); a ghost row holds the caller's position of its atom plus
+`halo_offset = image @ cell`. Ghost images are chosen relative to the caller's
+coordinates of the owned atoms, so displacements between halo rows are right
+even when atoms lie outside the cell. If the caller re-wraps an atom (moves it
+by a lattice vector) the stored shifts no longer apply: `needs_rebuild` then
+returns True.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Literal
+
+import numpy as np
+
+from .grid import choose_grid
+from .partition import effective_cell, partition
+
+OnOverflow = Literal["replan", "raise"]
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+class HaloOverflowError(ValueError):
+    """A capacity of a `HaloPlan` is smaller than the rows the system needs.
+
+    `overflows` maps each capacity name to `(needed, reserved)`.
+    """
+
+    def __init__(self, message: str, overflows: dict[str, tuple[int, int]]):
+        super().__init__(message)
+        self.overflows = overflows
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """`a`, made read-only (plans are immutable)."""
+    a.setflags(write=False)
+    return a
+
+
+def _grown(needed: int, headroom: float) -> int:
+    """Capacity for `needed` rows with relative `headroom` (never less than `needed`)."""
+    return max(needed, math.ceil(needed * headroom))
+
+
+def _parking(count: int, base: np.ndarray, spacing: float, side: int) -> np.ndarray:
+    """`count` points of a cubic lattice with `side` points per edge, `spacing` apart, from `base`."""
+    q = np.arange(count)
+    return base + spacing * np.stack([q % side, (q // side) % side, q // (side * side)], axis=1)
+
+
+def _positive_int(name: str, value: object) -> int:
+    """`value` as an int >= 1, or a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"HaloPlan.build: {name} must be an int >= 1, got {value!r}.")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HaloPlan:
+    """Owned and ghost rows of every device, with the tables of the halo exchanges.
+
+    Build with `HaloPlan.build`; refresh with `rebuild` once `needs_rebuild`
+    says so. All arrays are read-only numpy arrays; shapes use `D = n_devices`,
+    `oc = owned_capacity`, `hr = halo_rows`.
+
+    Attributes:
+        n_devices, n_atoms, cutoff, skin, cell, periodic, grid: what the plan was built for.
+        owned_capacity, ghost_capacity: static rows per device (`ghost_capacity > max(n_ghost)`).
+        offsets: rank offsets `k` with a message (device `d` sends to `(d + k) % D`), ascending;
+            `0` appears when a device holds images of its own atoms.
+        pair_capacities: static message rows per offset.
+        n_owned, n_ghost: `(D,)` int32 true counts.
+        owned_global: `(D, oc)` int64 global atom id per owned row, -1 for padding.
+        halo_global: `(D, hr)` int64 global atom id per halo row, -1 for padding.
+        send_idx: per offset `(D, pair_capacity)` int32 owned-row index to send; padding = `oc`.
+        recv_slot: per offset `(D, pair_capacity)` int32 halo row to fill; padding = `hr`.
+        halo_offset: `(D, hr, 3)` added to gathered positions: image shift (ghosts), parking point
+            (padding, whose gathered value is zero), 0 (owned rows).
+        owned_offset: `(D, oc, 3)` parking point for owned padding rows, 0 otherwise.
+        reference_positions: `(N, 3)` positions the plan was built from.
+        headroom: relative headroom used when a capacity is chosen or grown.
+        basis: `(3, 3)` lattice for fractional coordinates (`cell` with zero non-periodic rows filled).
+        halo_image: `(D, hr, 3)` int64 integer lattice shift of each halo row.
+        grown: names of capacities that `build`/`rebuild` had to enlarge beyond the requested ones.
+    """
+
+    n_devices: int
+    n_atoms: int
+    cutoff: float
+    skin: float
+    cell: np.ndarray
+    periodic: tuple[bool, bool, bool]
+    grid: tuple[int, int, int]
+    owned_capacity: int
+    ghost_capacity: int
+    offsets: tuple[int, ...]
+    pair_capacities: tuple[int, ...]
+    n_owned: np.ndarray
+    n_ghost: np.ndarray
+    owned_global: np.ndarray
+    halo_global: np.ndarray
+    send_idx: tuple[np.ndarray, ...]
+    recv_slot: tuple[np.ndarray, ...]
+    halo_offset: np.ndarray
+    owned_offset: np.ndarray
+    reference_positions: np.ndarray
+    headroom: float
+    basis: np.ndarray
+    halo_image: np.ndarray
+    grown: tuple[str, ...] = ()
+
+    # ------------------------------------------------------------------ build
+
+    @classmethod
+    def build(
+        cls,
+        positions: np.ndarray,
+        cell: np.ndarray,
+        *,
+        periodic: tuple[bool, bool, bool] = (True, True, True),
+        cutoff: float,
+        skin: float = 0.0,
+        n_devices: int,
+        grid: tuple[int, int, int] | None = None,
+        headroom: float = 1.2,
+        owned_capacity: int | None = None,
+        ghost_capacity: int | None = None,
+        pair_capacities: int | Mapping[int, int] | None = None,
+        on_overflow: OnOverflow = "replan",
+    ) -> HaloPlan:
+        """Partition `positions` over `n_devices` spatial domains and lay out their halo rows.
+
+        Args:
+            positions: `(N, 3)` Cartesian positions (the caller's coordinates, wrapped or not).
+            cell: `(3, 3)` lattice vectors as rows. A row may be zero on a non-periodic axis.
+            periodic: periodic flag per lattice axis.
+            cutoff: interaction cutoff (> 0).
+            skin: Verlet skin (>= 0); ghosts reach `cutoff + skin`, and the plan stays valid
+                until some atom moves more than `skin / 2`.
+            n_devices: number of devices (ranks).
+            grid: domains per lattice axis; default `choose_grid(n_devices, ...)`.
+            headroom: capacities are `ceil(headroom * needed)` (plus the pad row for ghosts).
+            owned_capacity, ghost_capacity: fixed capacities (default: from `headroom`).
+            pair_capacities: message rows, one int for every offset or `{offset: rows}`; offsets
+                named in a mapping are kept even when no longer needed (programs are reused).
+            on_overflow: `"replan"` grows a fixed capacity that is too small (listed in
+                `plan.grown`); `"raise"` raises `HaloOverflowError` instead.
+
+        Returns:
+            The plan.
+
+        Raises:
+            HaloOverflowError: a fixed capacity is too small and `on_overflow="raise"`.
+            ValueError: malformed input (the message says which argument and how to fix it).
+
+        Example:
+            >>> plan = HaloPlan.build(pos, cell, cutoff=5.0, skin=1.0, n_devices=4)
+            >>> x_halo = plan.to_halo(pos, positions=True)   # numpy reference layout
+        """
+        pos = np.asarray(positions)
+        if pos.ndim != 2 or pos.shape[1] != 3 or not np.issubdtype(pos.dtype, np.number):
+            raise ValueError(f"HaloPlan.build: positions must be a numeric (N, 3) array, got shape {pos.shape}.")
+        pos = pos.astype(np.float64)
+        if not np.all(np.isfinite(pos)):
+            bad = np.flatnonzero(~np.isfinite(pos).all(axis=1))[:5].tolist()
+            raise ValueError(f"HaloPlan.build: positions of atoms {bad} are not finite; fix them before planning.")
+        cell_arr = np.asarray(cell, dtype=np.float64)
+        if cell_arr.shape != (3, 3) or not np.all(np.isfinite(cell_arr)):
+            raise ValueError(f"HaloPlan.build: cell must be a finite (3, 3) array of lattice rows, got {cell_arr.shape}.")
+        if len(periodic) != 3 or not all(isinstance(p, (bool, np.bool_)) for p in periodic):
+            raise ValueError(f"HaloPlan.build: periodic must be three bools, one per lattice axis, got {periodic!r}.")
+        periodic = tuple(bool(p) for p in periodic)
+        if not (np.isfinite(cutoff) and cutoff > 0):
+            raise ValueError(f"HaloPlan.build: cutoff must be a finite number > 0, got {cutoff!r}.")
+        if not (np.isfinite(skin) and skin >= 0):
+            raise ValueError(f"HaloPlan.build: skin must be a finite number >= 0, got {skin!r}.")
+        n_devices = _positive_int("n_devices", n_devices)
+        if not (np.isfinite(headroom) and headroom >= 1.0):
+            raise ValueError(f"HaloPlan.build: headroom must be >= 1.0 (1.2 = 20% spare rows), got {headroom!r}.")
+        if on_overflow not in ("replan", "raise"):
+            raise ValueError(f"HaloPlan.build: on_overflow must be 'replan' or 'raise', got {on_overflow!r}.")
+        basis = effective_cell(cell_arr, periodic, pos)
+        if grid is None:
+            grid = choose_grid(n_devices, basis, periodic)
+        else:
+            grid = tuple(_positive_int("grid entries", g) for g in grid)
+            if len(grid) != 3 or math.prod(grid) != n_devices:
+                raise ValueError(
+                    f"HaloPlan.build: grid {grid} must have 3 entries whose product is n_devices={n_devices}; "
+                    "pass grid=None to choose one."
+                )
+        if owned_capacity is not None:
+            owned_capacity = _positive_int("owned_capacity", owned_capacity)
+        if ghost_capacity is not None:
+            ghost_capacity = _positive_int("ghost_capacity", ghost_capacity)
+        pair_request = _pair_request(pair_capacities, n_devices)
+        part = partition(pos, basis, periodic, grid, float(cutoff) + float(skin))
+        return _assemble(
+            pos, cell_arr, basis, periodic, tuple(grid), float(cutoff), float(skin), n_devices, float(headroom),
+            part, owned_capacity, ghost_capacity, pair_request, on_overflow,
+        )
+
+    def rebuild(self, positions: np.ndarray, *, on_overflow: OnOverflow = "replan") -> HaloPlan:
+        """A new plan for `positions` with the same cell, cutoff, skin and grid.
+
+        Capacities and offsets are kept, so programs compiled for this plan run
+        on the new one. A capacity that no longer suffices is grown (listed in
+        `plan.grown`; programs then recompile) with `on_overflow="replan"`, or
+        raises `HaloOverflowError` with `on_overflow="raise"`.
+        """
+        pos = np.asarray(positions)
+        if pos.shape != (self.n_atoms, 3):
+            raise ValueError(
+                f"HaloPlan.rebuild: positions have shape {pos.shape} but the plan has {self.n_atoms} atoms; "
+                "a different atom count needs HaloPlan.build."
+            )
+        return HaloPlan.build(
+            pos, self.cell, periodic=self.periodic, cutoff=self.cutoff, skin=self.skin,
+            n_devices=self.n_devices, grid=self.grid, headroom=self.headroom,
+            owned_capacity=self.owned_capacity, ghost_capacity=self.ghost_capacity,
+            pair_capacities=dict(zip(self.offsets, self.pair_capacities)), on_overflow=on_overflow,
+        )
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def halo_rows(self) -> int:
+        """Rows of one device's halo block: `owned_capacity + ghost_capacity`."""
+        return self.owned_capacity + self.ghost_capacity
+
+    @property
+    def n_padded(self) -> np.ndarray:
+        """`(D,)` rows a kernel sees per device: `n_owned + n_ghost`."""
+        return self.n_owned + self.n_ghost
+
+    @property
+    def owned_mask(self) -> np.ndarray:
+        """`(D, owned_capacity)` True on real owned rows."""
+        return np.arange(self.owned_capacity) < self.n_owned[:, None]
+
+    @property
+    def halo_owned_mask(self) -> np.ndarray:
+        """`(D, halo_rows)` True on the owned rows of the halo block."""
+        return np.arange(self.halo_rows) < self.n_owned[:, None]
+
+    @property
+    def halo_mask(self) -> np.ndarray:
+        """`(D, halo_rows)` True on owned and ghost rows (not padding)."""
+        return np.arange(self.halo_rows) < self.n_padded[:, None]
+
+    @functools.cached_property
+    def owner(self) -> np.ndarray:
+        """`(N,)` int32 rank owning each atom."""
+        out = np.empty(self.n_atoms, dtype=np.int32)
+        rank = np.broadcast_to(np.arange(self.n_devices)[:, None], self.owned_global.shape)
+        out[self.owned_global[self.owned_mask]] = rank[self.owned_mask]
+        return _readonly(out)
+
+    @functools.cached_property
+    def local_index(self) -> np.ndarray:
+        """`(N,)` int32 owned-row index of each atom on its owner."""
+        out = np.empty(self.n_atoms, dtype=np.int32)
+        row = np.broadcast_to(np.arange(self.owned_capacity), self.owned_global.shape)
+        out[self.owned_global[self.owned_mask]] = row[self.owned_mask]
+        return _readonly(out)
+
+    # ------------------------------------------------------- rebuild criterion
+
+    def max_displacement(self, positions: np.ndarray) -> float:
+        """Largest displacement of any atom since the plan, minimum image on periodic axes.
+
+        The minimum image is taken in fractional coordinates (exact for moves
+        shorter than half the perpendicular width of the cell).
+        """
+        return float(np.max(np.linalg.norm(self._displacement(positions)[0], axis=1), initial=0.0))
+
+    def needs_rebuild(self, positions: np.ndarray) -> bool:
+        """True if some atom moved more than `skin / 2`, or was moved by a lattice vector (re-wrapped)."""
+        disp, jumped = self._displacement(positions)
+        return bool(jumped.any()) or float(np.max(np.linalg.norm(disp, axis=1), initial=0.0)) > self.skin / 2
+
+    def _displacement(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Minimum-image displacements `(N, 3)` and whether each atom jumped by a lattice vector."""
+        pos = np.asarray(positions, dtype=np.float64)
+        if pos.shape != (self.n_atoms, 3):
+            raise ValueError(f"HaloPlan: positions have shape {pos.shape}, the plan has ({self.n_atoms}, 3).")
+        frac = (pos - self.reference_positions) @ np.linalg.inv(self.basis)
+        jump = np.where(np.array(self.periodic), np.round(frac), 0.0)
+        return (frac - jump) @ self.basis, jump.any(axis=1)
+
+    # ---------------------------------------------- numpy reference layouts
+
+    def _check_global(self, x: np.ndarray, where: str, positions: bool) -> np.ndarray:
+        """`x` as an array with `n_atoms` rows (and `(N, 3)` floats when `positions`)."""
+        x = np.asarray(x)
+        if x.ndim == 0 or x.shape[0] != self.n_atoms:
+            raise ValueError(f"HaloPlan.{where}: expected {self.n_atoms} rows (one per atom), got shape {x.shape}.")
+        if positions and (x.shape[1:] != (3,) or not np.issubdtype(x.dtype, np.floating)):
+            raise ValueError(
+                f"HaloPlan.{where}(positions=True): expected float positions of shape ({self.n_atoms}, 3), "
+                f"got {x.dtype} {x.shape}."
+            )
+        return x
+
+    def _check_rows(self, x: np.ndarray, rows: int, where: str, storage: str) -> np.ndarray:
+        """`x` reshaped to `(D, rows, ...)`, or a ValueError naming the expected shape."""
+        x = np.asarray(x)
+        if x.ndim == 0 or x.shape[0] != self.n_devices * rows:
+            raise ValueError(
+                f"HaloPlan.{where}: expected {storage} storage with D * {rows} = {self.n_devices * rows} rows, "
+                f"got shape {x.shape}."
+            )
+        return x.reshape(self.n_devices, rows, *x.shape[1:])
+
+    def _layout(self, x: np.ndarray, ids: np.ndarray, offset: np.ndarray, positions: bool) -> np.ndarray:
+        """Rows `x[ids]` (zero where `ids == -1`), plus `offset` for positions, flattened over devices."""
+        valid = ids >= 0
+        out = np.zeros(ids.shape + x.shape[1:], dtype=x.dtype)
+        out[valid] = x[ids[valid]]
+        if positions:
+            out = out + offset.astype(x.dtype)
+        return out.reshape(-1, *x.shape[1:])
+
+    def to_owned(self, x_global: np.ndarray, *, positions: bool = False) -> np.ndarray:
+        """Per-atom `(N, ...)` values in owned storage `(D * owned_capacity, ...)`; padding zero or parked."""
+        x = self._check_global(x_global, "to_owned", positions)
+        return self._layout(x, self.owned_global, self.owned_offset, positions)
+
+    def to_halo(self, x_global: np.ndarray, *, positions: bool = False) -> np.ndarray:
+        """Per-atom values in halo storage `(D * halo_rows, ...)`: owned rows, ghost copies, padding.
+
+        With `positions=True` ghost rows are image-shifted and padding rows parked.
+        """
+        x = self._check_global(x_global, "to_halo", positions)
+        return self._layout(x, self.halo_global, self.halo_offset, positions)
+
+    def from_owned(self, x_owned: np.ndarray) -> np.ndarray:
+        """Owned storage `(D * owned_capacity, ...)` back to `(N, ...)` in global-id order."""
+        x = self._check_rows(x_owned, self.owned_capacity, "from_owned", "owned")
+        out = np.zeros((self.n_atoms, *x.shape[2:]), dtype=x.dtype)
+        mask = self.owned_mask
+        out[self.owned_global[mask]] = x[mask]
+        return out
+
+    def reference_forward(self, x_owned: np.ndarray, *, positions: bool = False) -> np.ndarray:
+        """Forward halo exchange (GatherInputs) with the tables: owned storage -> halo storage.
+
+        Owned padding rows are zeroed, each device keeps its owned rows and
+        receives, for every offset `k`, the rows `send_idx` of rank `d - k` into
+        its `recv_slot`s. With `positions=True`, `halo_offset` is added.
+        """
+        x = self._check_rows(x_owned, self.owned_capacity, "reference_forward", "owned")
+        d, oc, hr = self.n_devices, self.owned_capacity, self.halo_rows
+        feat = x.shape[2:]
+        owned = np.zeros((d, oc + 1, *feat), dtype=x.dtype)  # row oc: zero, hit by padding send_idx
+        owned[:, :oc][self.owned_mask] = x[self.owned_mask]
+        halo = np.zeros((d, hr + 1, *feat), dtype=x.dtype)  # row hr: sink for padding recv_slot
+        halo[:, :oc] = owned[:, :oc]
+        ranks = np.arange(d)
+        for k, send, slot in zip(self.offsets, self.send_idx, self.recv_slot):
+            message = owned[ranks[:, None], send]  # (D, cap, ...) built by each sender
+            received = message[(ranks - k) % d]  # device r receives from r - k
+            halo[ranks[:, None], slot] = received
+        out = halo[:, :hr]
+        if positions:
+            out = out + self.halo_offset.reshape(d, hr, *([1] * (len(feat) - 1)), 3).astype(x.dtype)
+        return out.reshape(d * hr, *feat)
+
+    def reference_reverse(self, x_halo: np.ndarray) -> np.ndarray:
+        """Reverse halo exchange with the tables: halo storage -> owned storage (the transpose of forward).
+
+        Each ghost row goes back to its owner and is added into its owned row;
+        padding rows are ignored and owned padding comes out zero.
+        """
+        x = self._check_rows(x_halo, self.halo_rows, "reference_reverse", "halo")
+        d, oc, hr = self.n_devices, self.owned_capacity, self.halo_rows
+        feat = x.shape[2:]
+        halo = np.zeros((d, hr + 1, *feat), dtype=x.dtype)
+        halo[:, :hr] = x
+        owned = np.zeros((d, oc + 1, *feat), dtype=x.dtype)
+        owned[:, :oc][self.owned_mask] = x[:, :oc][self.owned_mask]
+        ranks = np.arange(d)
+        for k, send, slot in zip(self.offsets, self.send_idx, self.recv_slot):
+            message = halo[ranks[:, None], slot]  # gathered by each receiver
+            returned = message[(ranks + k) % d]  # sender s gets it back from s + k
+            np.add.at(owned, (ranks[:, None], send), returned)
+        out = owned[:, :oc]
+        out[~self.owned_mask] = 0
+        return out.reshape(d * oc, *feat)
+
+    # ------------------------------------------------------------- summary
+
+    def describe(self, features: int = 1, itemsize: int = 4) -> str:
+        """A short human summary: grid, capacities, counts per device, bytes per exchange.
+
+        Args:
+            features: floats per row in the exchange (e.g. 3 for positions).
+            itemsize: bytes per float.
+        """
+        row = features * itemsize
+        padded_bytes = self.n_devices * sum(self.pair_capacities) * row
+        true_bytes = int(self.n_ghost.sum()) * row
+        lines = [
+            f"HaloPlan: {self.n_atoms} atoms on {self.n_devices} devices, grid {self.grid}, "
+            f"periodic {self.periodic}, cutoff {self.cutoff:g} + skin {self.skin:g}",
+            f"  capacities: owned {self.owned_capacity}, ghost {self.ghost_capacity}, halo rows {self.halo_rows}",
+            f"  offsets {self.offsets}, message rows {self.pair_capacities}",
+            f"  owned per device: {self.n_owned.tolist()}",
+            f"  ghosts per device: {self.n_ghost.tolist()}",
+            f"  one exchange of {features} x {itemsize}-byte floats: {true_bytes} bytes of ghosts, "
+            f"{padded_bytes} bytes sent with padding",
+        ]
+        if self.grown:
+            lines.append(f"  grown to fit: {', '.join(self.grown)}")
+        return "\n".join(lines)
+
+
+def _pair_request(pair_capacities: int | Mapping[int, int] | None, n_devices: int) -> int | dict[int, int] | None:
+    """Validated `pair_capacities` argument: None, one int, or `{offset: rows}`."""
+    if pair_capacities is None:
+        return None
+    if isinstance(pair_capacities, Mapping):
+        out = {}
+        for k, v in pair_capacities.items():
+            if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k < n_devices:
+                raise ValueError(
+                    f"HaloPlan.build: pair_capacities key {k!r} is not a rank offset in [0, {n_devices}); "
+                    "keys are offsets k (device d sends to (d + k) % n_devices)."
+                )
+            out[int(k)] = _positive_int(f"pair_capacities[{k}]", v)
+        return out
+    return _positive_int("pair_capacities", pair_capacities)
+
+
+def _assemble(
+    pos: np.ndarray,
+    cell: np.ndarray,
+    basis: np.ndarray,
+    periodic: tuple[bool, bool, bool],
+    grid: tuple[int, int, int],
+    cutoff: float,
+    skin: float,
+    n_devices: int,
+    headroom: float,
+    part,
+    owned_request: int | None,
+    ghost_request: int | None,
+    pair_request: int | dict[int, int] | None,
+    on_overflow: OnOverflow,
+) -> HaloPlan:
+    """Order rows, size capacities and fill the tables of a plan from a `Partition`."""
+    n_atoms, d = len(pos), n_devices
+    owner = part.owner
+    n_owned = np.bincount(owner, minlength=d).astype(np.int64)
+    by_rank = np.argsort(owner, kind="stable")  # owned rows: ascending global id
+    starts = np.cumsum(n_owned) - n_owned
+    local_index = np.empty(n_atoms, dtype=np.int64)
+    local_index[by_rank] = np.arange(n_atoms) - starts[owner[by_rank]]
+
+    ghosts, messages = [], {}  # messages[k][receiver] = (sender's owned rows, receiver's halo rows)
+    for r in range(d):
+        atom, image = part.ghost_atom[r], part.ghost_image[r]
+        src, row = owner[atom], local_index[atom]
+        order = np.lexsort((image[:, 2], image[:, 1], image[:, 0], row, image.any(axis=1), src))
+        atom, image, src, row = atom[order], image[order], src[order], row[order]
+        ghosts.append((atom, image))
+        cuts = np.flatnonzero(np.diff(src)) + 1
+        for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(src)]):
+            if hi > lo:
+                k = int((r - src[lo]) % d)
+                messages.setdefault(k, {})[r] = (row[lo:hi], n_owned[r] + np.arange(lo, hi))
+    n_ghost = np.array([len(a) for a, _ in ghosts], dtype=np.int64)
+
+    overflows: dict[str, tuple[int, int]] = {}
+    grown: list[str] = []
+
+    def capacity(name: str, requested: int | None, needed: int, auto: int) -> int:
+        if requested is None:
+            return auto
+        if requested >= needed:
+            return requested
+        if on_overflow == "replan":
+            grown.append(name)
+            return auto
+        overflows[name] = (needed, requested)
+        return requested
+
+    max_owned, max_ghost = int(n_owned.max(initial=0)), int(n_ghost.max(initial=0))
+    oc = capacity("owned_capacity", owned_request, max(max_owned, 1), max(_grown(max_owned, headroom), 1))
+    gc = capacity("ghost_capacity", ghost_request, max_ghost + 1, _grown(max_ghost, headroom) + 1)
+    needed_pairs = {k: max(len(rows) for rows, _ in m.values()) for k, m in messages.items()}
+    if isinstance(pair_request, dict):
+        # Offsets of the requested mapping are kept; a new one is a new message (a capacity of 0 grown).
+        offsets = sorted(set(pair_request) | set(needed_pairs))
+        requested = {k: pair_request.get(k, 0) for k in offsets}
+    else:
+        offsets = sorted(needed_pairs)
+        requested = {k: pair_request for k in offsets}
+    caps = [
+        capacity(f"pair_capacities[{k}]", requested[k], needed_pairs.get(k, 0), max(_grown(needed_pairs.get(k, 0), headroom), 1))
+        for k in offsets
+    ]
+    if overflows:
+        _raise_overflow(overflows, oc, gc, dict(zip(offsets, caps)), headroom, n_owned, n_ghost)
+    hr = oc + gc
+    if hr > _INT32_MAX:
+        raise ValueError(f"HaloPlan.build: halo_rows={hr} does not fit int32 row indices; use more devices.")
+
+    owned_global = np.full((d, oc), -1, dtype=np.int64)
+    halo_global = np.full((d, hr), -1, dtype=np.int64)
+    halo_image = np.zeros((d, hr, 3), dtype=np.int64)
+    for r in range(d):
+        mine = by_rank[starts[r] : starts[r] + n_owned[r]]
+        owned_global[r, : n_owned[r]] = mine
+        halo_global[r, : n_owned[r]] = mine
+        atom, image = ghosts[r]
+        halo_global[r, n_owned[r] : n_owned[r] + len(atom)] = atom
+        halo_image[r, n_owned[r] : n_owned[r] + len(atom)] = image
+
+    send_idx, recv_slot = [], []
+    for k, cap in zip(offsets, caps):
+        send = np.full((d, cap), oc, dtype=np.int32)
+        slot = np.full((d, cap), hr, dtype=np.int32)
+        for r, (rows, slots) in messages.get(k, {}).items():
+            send[(r - k) % d, : len(rows)] = rows
+            slot[r, : len(slots)] = slots
+        send_idx.append(_readonly(send))
+        recv_slot.append(_readonly(slot))
+
+    # Parking points: a cubic lattice beyond every atom and ghost, 4 * reach apart.
+    reach = cutoff + skin
+    shift = halo_image @ basis
+    valid = halo_global >= 0
+    real = np.concatenate([pos, pos[halo_global[valid]] + shift[valid]]) if n_atoms else np.zeros((1, 3))
+    base = real.max(axis=0) + 4.0 * reach
+    side = math.ceil(round(max(hr, oc) ** (1.0 / 3.0), 9))
+    n_padded = n_owned + n_ghost
+    halo_offset = np.where(valid[..., None], shift, 0.0)
+    owned_offset = np.zeros((d, oc, 3))
+    for r in range(d):
+        halo_offset[r, n_padded[r] :] = _parking(hr - n_padded[r], base, 4.0 * reach, side)
+        owned_offset[r, n_owned[r] :] = _parking(oc - n_owned[r], base, 4.0 * reach, side)
+
+    return HaloPlan(
+        n_devices=d, n_atoms=n_atoms, cutoff=cutoff, skin=skin, cell=_readonly(cell.copy()), periodic=periodic,
+        grid=grid, owned_capacity=oc, ghost_capacity=gc, offsets=tuple(int(k) for k in offsets),
+        pair_capacities=tuple(int(c) for c in caps), n_owned=_readonly(n_owned.astype(np.int32)),
+        n_ghost=_readonly(n_ghost.astype(np.int32)), owned_global=_readonly(owned_global),
+        halo_global=_readonly(halo_global), send_idx=tuple(send_idx), recv_slot=tuple(recv_slot),
+        halo_offset=_readonly(halo_offset), owned_offset=_readonly(owned_offset),
+        reference_positions=_readonly(pos.copy()), headroom=headroom, basis=_readonly(basis),
+        halo_image=_readonly(halo_image), grown=tuple(grown),
+    )
+
+
+def _raise_overflow(
+    overflows: dict[str, tuple[int, int]],
+    oc: int,
+    gc: int,
+    pairs: dict[int, int],
+    headroom: float,
+    n_owned: np.ndarray,
+    n_ghost: np.ndarray,
+) -> None:
+    """Raise a `HaloOverflowError` that lists every short capacity and the arguments that fit."""
+    parts, fix = [], {}
+    for name, (needed, reserved) in overflows.items():
+        if name == "owned_capacity":
+            why = f"rank {int(np.argmax(n_owned))} owns {needed} atoms"
+            fix["owned_capacity"] = _grown(needed, headroom)
+        elif name == "ghost_capacity":
+            why = f"rank {int(np.argmax(n_ghost))} has {needed - 1} ghosts + 1 pad row"
+            fix["ghost_capacity"] = _grown(needed - 1, headroom) + 1
+        else:
+            k = int(name[name.index("[") + 1 : -1])
+            why = f"a rank sends {needed} rows at offset {k}"
+            pairs[k] = _grown(needed, headroom)
+            fix["pair_capacities"] = dict(pairs)
+        parts.append(f"{name} needs {needed} ({why}) but the plan reserves {reserved}")
+    args = ", ".join(f"{k}={v}" for k, v in fix.items())
+    raise HaloOverflowError(
+        "HaloPlan overflow: " + "; ".join(parts) + f". Fix: HaloPlan.build(..., {args}), or a larger headroom, "
+        "or on_overflow='replan' to grow capacities automatically (compiled programs are rebuilt).",
+        overflows,
+    )
