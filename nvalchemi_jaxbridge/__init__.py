@@ -3,3 +3,44 @@
 The package root only re-exports. Importing it (and loading a spec file) imports
 neither jax nor torch.
 """
+
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
+from importlib.metadata import version as _version
+
+from .spec import AdapterRegistry as AdapterRegistry
+from .spec import AdapterStatus as AdapterStatus
+from .spec import AllReduceSum as AllReduceSum
+from .spec import ArgTransform as ArgTransform
+from .spec import DistributionSpec as DistributionSpec
+from .spec import FunctionAdapter as FunctionAdapter
+from .spec import GatherInputs as GatherInputs
+from .spec import GatherInputsFull as GatherInputsFull
+from .spec import GraphParallelPolicy as GraphParallelPolicy
+from .spec import HaloStoragePolicy as HaloStoragePolicy
+from .spec import JitAdapter as JitAdapter
+from .spec import MethodAdapter as MethodAdapter
+from .spec import ModuleForwardAdapter as ModuleForwardAdapter
+from .spec import OpAdapter as OpAdapter
+from .spec import OutputTransform as OutputTransform
+from .spec import PlainShard as PlainShard
+from .spec import Problem as Problem
+from .spec import PythonAdapter as PythonAdapter
+from .spec import RefreshOnlyHaloPolicy as RefreshOnlyHaloPolicy
+from .spec import ScatterOutputs as ScatterOutputs
+from .spec import SliceOutputsOwned as SliceOutputsOwned
+from .spec import SliceOwned as SliceOwned
+from .spec import SpecError as SpecError
+from .spec import SpecFile as SpecFile
+from .spec import StoragePolicy as StoragePolicy
+from .spec import check_spec_file as check_spec_file
+from .spec import load_spec as load_spec
+from .spec import policy_from_dict as policy_from_dict
+from .spec import policy_to_dict as policy_to_dict
+from .spec import register_adapter_kind as register_adapter_kind
+from .spec import register_policy_kind as register_policy_kind
+from .spec import save_spec as save_spec
+
+try:
+    __version__ = _version("nvalchemi_jaxbridge")
+except _PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0.0.0+unknown"

@@ -1,1 +1,39 @@
-"""spec layer (see docs/design.md)."""
+"""spec layer: declarations and spec files (see docs/design.md). Imports neither jax nor torch."""
+
+from .adapter import OpAdapter as OpAdapter
+from .check import Problem as Problem
+from .check import check_spec_file as check_spec_file
+from .distribution import DEFAULT_SHARD_FIELDS as DEFAULT_SHARD_FIELDS
+from .distribution import DistributionSpec as DistributionSpec
+from .errors import OpResolutionError as OpResolutionError
+from .errors import SpecError as SpecError
+from .errors import SpecTypeError as SpecTypeError
+from .files import SpecFile as SpecFile
+from .files import load_spec as load_spec
+from .files import save_spec as save_spec
+from .frozen import FrozenDict as FrozenDict
+from .op_ref import resolve_op as resolve_op
+from .policies import GraphParallelPolicy as GraphParallelPolicy
+from .policies import HaloStoragePolicy as HaloStoragePolicy
+from .policies import PlainShard as PlainShard
+from .policies import RefreshOnlyHaloPolicy as RefreshOnlyHaloPolicy
+from .policies import StoragePolicy as StoragePolicy
+from .policies import policy_from_dict as policy_from_dict
+from .policies import policy_to_dict as policy_to_dict
+from .policies import register_policy_kind as register_policy_kind
+from .registry import AdapterRegistry as AdapterRegistry
+from .status import AdapterStatus as AdapterStatus
+from .third_party import FunctionAdapter as FunctionAdapter
+from .third_party import JitAdapter as JitAdapter
+from .third_party import MethodAdapter as MethodAdapter
+from .third_party import ModuleForwardAdapter as ModuleForwardAdapter
+from .third_party import PythonAdapter as PythonAdapter
+from .third_party import register_adapter_kind as register_adapter_kind
+from .transforms import AllReduceSum as AllReduceSum
+from .transforms import ArgTransform as ArgTransform
+from .transforms import GatherInputs as GatherInputs
+from .transforms import GatherInputsFull as GatherInputsFull
+from .transforms import OutputTransform as OutputTransform
+from .transforms import ScatterOutputs as ScatterOutputs
+from .transforms import SliceOutputsOwned as SliceOutputsOwned
+from .transforms import SliceOwned as SliceOwned
