@@ -1,0 +1,681 @@
+"""A torch custom op (plain torch, Triton `triton_op`, Warp, ...) as a JAX callable.
+
+Each call hands the device's buffers to the op through
+`jax.experimental.buffer_callback` and DLPack, so the op reads XLA's memory and
+writes its results straight into XLA's output buffers (no host copy). On a GPU
+the op's work is queued on XLA's stream (`torch.cuda.ExternalStream(ctx.stream)`),
+so it sees the finished results of the XLA kernels before it. Output shapes
+come from the op's fake (meta) registration, evaluated under FakeTensorMode.
+
+Results. The op's results as JAX sees them are, in order, the op's returned
+tensors, then the arguments it mutates (`Tensor(a!)` in its schema) in schema
+order. `outputs=` picks among them by index, or by the mutated argument's name.
+A mutated argument is passed in as an array holding its initial value and comes
+back as a new array (JAX arrays are immutable); XLA aliases the two buffers.
+
+Gradients. The call is a `jax.custom_vjp`; the backward runs the op again under
+torch autograd on the saved inputs and calls `torch.autograd.grad` with the
+cotangents, through the same callback path. Only ops torch can differentiate
+(a `register_autograd` formula, or an autograd-capable composite) qualify.
+
+Inside `shard_map(check_vma=True)` the callback's varying-axes typing, which
+`buffer_callback` drops, is restored with `jax.lax.pcast`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax.experimental.buffer_callback import buffer_callback
+
+from . import _triton_interp
+from .dlpack import DLPackError, buffer_to_torch, check_x64_numpy, check_x64_torch
+
+_KDL_CUDA = 2
+_KDL_ROCM = 10
+_TENSOR = "tensor"
+_TENSOR_LIST = "tensor_list"
+_STATIC = "static"
+
+
+class KernelError(ValueError):
+    """A torch op cannot be called from JAX as asked; the message says why and the fix."""
+
+
+class NotDifferentiableError(KernelError):
+    """`jax.grad` reached a torch op that torch cannot differentiate."""
+
+
+# ----------------------------------------------------------------------------- dtypes
+
+_TORCH_TO_JAX: dict[torch.dtype, Any] = {
+    torch.bool: jnp.bool_,
+    torch.uint8: jnp.uint8,
+    torch.int8: jnp.int8,
+    torch.int16: jnp.int16,
+    torch.int32: jnp.int32,
+    torch.int64: jnp.int64,
+    torch.float16: jnp.float16,
+    torch.bfloat16: jnp.bfloat16,
+    torch.float32: jnp.float32,
+    torch.float64: jnp.float64,
+    torch.complex64: jnp.complex64,
+    torch.complex128: jnp.complex128,
+}
+for _name in ("uint16", "uint32", "uint64"):
+    if hasattr(torch, _name):
+        _TORCH_TO_JAX[getattr(torch, _name)] = getattr(jnp, _name)
+_JAX_TO_TORCH = {np.dtype(v): k for k, v in _TORCH_TO_JAX.items()}
+
+
+def torch_dtype(dtype: Any, where: str) -> torch.dtype:
+    """The torch dtype of a JAX/numpy dtype."""
+    try:
+        return _JAX_TO_TORCH[np.dtype(dtype)]
+    except (KeyError, TypeError):
+        raise KernelError(
+            f"{where} has dtype {dtype}, which torch has no equivalent for; supported: "
+            f"{sorted(str(d) for d in _JAX_TO_TORCH)}. Convert it with .astype(...) first."
+        ) from None
+
+
+def jax_dtype(dtype: torch.dtype, where: str) -> Any:
+    """The JAX dtype of a torch dtype, refusing 64-bit types while x64 is off."""
+    if dtype not in _TORCH_TO_JAX:
+        raise KernelError(
+            f"{where} has torch dtype {dtype}, which JAX has no equivalent for; make the op "
+            f"produce one of {sorted(str(d) for d in _TORCH_TO_JAX)}."
+        )
+    check_x64_torch(dtype, where)
+    return _TORCH_TO_JAX[dtype]
+
+
+def _is_inexact(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.inexact)
+
+
+# ----------------------------------------------------------------------------- schema
+
+
+@dataclasses.dataclass(frozen=True)
+class _Param:
+    """One argument of the op's schema."""
+
+    name: str
+    kind: str  # _TENSOR, _TENSOR_LIST or _STATIC
+    mutable: bool
+    kwarg_only: bool
+    has_default: bool
+    default: Any
+    type_str: str
+
+
+def _params(op: Any) -> tuple[_Param, ...]:
+    """The op's arguments, classified once."""
+    opt_tensor = torch._C.OptionalType.ofTensor()
+    out = []
+    for a in op._schema.arguments:
+        if a.type.isSubtypeOf(opt_tensor):
+            kind = _TENSOR
+        elif "Tensor" in str(a.type):
+            kind = _TENSOR_LIST
+        else:
+            kind = _STATIC
+        mutable = bool(a.alias_info is not None and a.alias_info.is_write)
+        has_default = a.has_default_value()
+        out.append(
+            _Param(a.name, kind, mutable, a.kwarg_only, has_default, a.default_value if has_default else None, str(a.type))
+        )
+    return tuple(out)
+
+
+def _hashable(v: Any, where: str) -> Any:
+    """A hashable stand-in for a static argument (lists become tuples)."""
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(_hashable(x, where) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted((k, _hashable(x, where)) for k, x in v.items())))
+    try:
+        hash(v)
+    except TypeError:
+        raise KernelError(
+            f"{where} is a {type(v).__name__}, which cannot key the kernel cache; pass a "
+            f"number, bool, string, None, or a list/tuple of those."
+        ) from None
+    return (type(v).__name__, v)
+
+
+def _is_array(v: Any) -> bool:
+    return isinstance(v, (jax.Array, np.ndarray, np.generic)) or isinstance(v, jax.core.Tracer)
+
+
+# ----------------------------------------------------------------------------- VMA
+
+
+def _vma(x: Any) -> frozenset[str]:
+    """The mesh axes `x` varies over inside shard_map (empty outside)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    varying = getattr(mat, "varying", None)
+    if varying is None:
+        varying = getattr(aval, "vma", frozenset())  # older jax
+    return frozenset(varying)
+
+
+def _vary(x: jax.Array, axes: frozenset[str]) -> jax.Array:
+    """Mark `x` as varying over `axes` (what buffer_callback's abstract eval forgets)."""
+    missing = tuple(sorted(axes - _vma(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+# ----------------------------------------------------------------------------- streams
+
+
+@contextlib.contextmanager
+def _on_xla_stream(ctx: Any, buffers: Sequence[Any]) -> Iterator[None]:
+    """Queue torch work on XLA's stream and device for GPU buffers; nothing to do on CPU."""
+    dev = None
+    for b in buffers:
+        dev = b.__dlpack_device__()
+        break
+    if dev is None or int(dev[0]) not in (_KDL_CUDA, _KDL_ROCM):
+        yield
+        return
+    device = torch.device("cuda", int(dev[1]))
+    stream = torch.cuda.ExternalStream(ctx.stream, device=device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        yield
+
+
+# ----------------------------------------------------------------------------- per-call plan
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """What one (op, argument shapes/dtypes, static values) combination compiles to."""
+
+    array_pos: tuple[int, ...]  # schema positions fed by JAX arrays, in call order
+    mutated_pos: tuple[int, ...]  # schema positions of mutated tensor args that are arrays
+    statics: tuple[Any, ...]  # value per schema position (None where an array goes)
+    n_returns: int
+    result_specs: tuple[jax.ShapeDtypeStruct, ...]  # returns, then mutated args
+    selected: tuple[int, ...]  # indices into result_specs that the caller gets
+    fn: Callable[..., tuple[jax.Array, ...]]  # the custom_vjp function of the arrays
+
+
+class TorchOpKernel:
+    """A torch op, callable on JAX arrays inside jit, grad and shard_map.
+
+    Args:
+        op: a torch `OpOverload` (`torch.ops.ns.name.default`), its packet, or a
+            `CustomOpDef` (what `@torch.library.custom_op` / `triton_op` return).
+        outputs: which results to return: indices into (the op's returned tensors,
+            then its mutated arguments in schema order), or names of mutated
+            arguments. Default: all of them. One selected result is returned bare,
+            several as a tuple.
+
+    Call it like the op: tensors as JAX arrays (shape and dtype as torch expects),
+    everything else (numbers, bools, strings, None) as Python values, positional
+    or by keyword. Mutated arguments take their initial values as arrays.
+
+    Example:
+        >>> k = TorchOpKernel(torch.ops.demo.pair_energy.default)
+        >>> e = jax.jit(k)(positions, cutoff=2.5)
+    """
+
+    def __init__(self, op: Any, *, outputs: Sequence[int | str] | None = None) -> None:
+        op = _as_overload(op)
+        self.op = op
+        self.name = f"{op._schema.name}" + (
+            f".{op._overloadname}" if op._overloadname not in ("default", "") else ""
+        )
+        self._params = _params(op)
+        returns = op._schema.returns
+        bad = [str(r.type) for r in returns if str(r.type) != "Tensor"]
+        if bad:
+            raise KernelError(
+                f"op {self.name} returns {[str(r.type) for r in returns]}; only ops returning "
+                f"Tensors (or nothing) can be called from JAX. Wrap it in a custom op that "
+                f"returns plain Tensors."
+            )
+        self._n_returns = len(returns)
+        self._mutable = tuple(i for i, p in enumerate(self._params) if p.mutable)
+        names = [f"return {i}" for i in range(self._n_returns)] + [
+            f"mutated argument {self._params[i].name!r}" for i in self._mutable
+        ]
+        self._result_names = tuple(names)
+        self.outputs = None if outputs is None else tuple(outputs)
+        self._selected = self._resolve_outputs(self.outputs)
+        self._cache: dict[Any, _Call] = {}
+        self._lock = threading.Lock()
+
+    # -- identity -------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        out = "" if self.outputs is None else f", outputs={self.outputs!r}"
+        return f"TorchOpKernel({self.name}{out})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TorchOpKernel) and (self.op, self.outputs) == (other.op, other.outputs)
+
+    def __hash__(self) -> int:
+        return hash((TorchOpKernel, self.name, self.outputs))
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        """The op's argument names in schema order (for keyword matching)."""
+        return tuple(p.name for p in self._params)
+
+    @property
+    def result_names(self) -> tuple[str, ...]:
+        """What each selectable result is: "return i" or "mutated argument 'name'"."""
+        return self._result_names
+
+    # -- outputs --------------------------------------------------------------------
+
+    def _resolve_outputs(self, outputs: tuple[int | str, ...] | None) -> tuple[int, ...]:
+        n = len(self._result_names)
+        listing = ", ".join(f"{i}: {s}" for i, s in enumerate(self._result_names)) or "none"
+        if outputs is None:
+            if n == 0:
+                raise KernelError(
+                    f"op {self.name} returns nothing and mutates no argument, so it has no "
+                    f"result JAX could return; only ops with a Tensor result or a Tensor(a!) "
+                    f"argument can be called."
+                )
+            return tuple(range(n))
+        selected = []
+        mutable_names = {self._params[i].name: self._n_returns + j for j, i in enumerate(self._mutable)}
+        for k, o in enumerate(outputs):
+            if isinstance(o, bool) or not isinstance(o, (int, str)):
+                raise KernelError(
+                    f"outputs[{k}] of op {self.name} is {o!r}; give a result index (int) or the "
+                    f"name of a mutated argument (str). The op's results are {listing}."
+                )
+            if isinstance(o, str):
+                if o not in mutable_names:
+                    other = "" if not any(p.name == o for p in self._params) else (
+                        f" ({o!r} is an argument the op does not mutate: it is not Tensor(a!) in the schema)"
+                    )
+                    raise KernelError(
+                        f"outputs[{k}] of op {self.name} names {o!r}, which is not a mutated "
+                        f"argument{other}; mutated arguments: {sorted(mutable_names) or 'none'}. "
+                        f"The op's results are {listing}."
+                    )
+                selected.append(mutable_names[o])
+            else:
+                if not -n <= o < n:
+                    raise KernelError(
+                        f"outputs[{k}] of op {self.name} is {o}, but the op has {n} result(s): "
+                        f"{listing}. Use one of these indices, or a mutated argument's name."
+                    )
+                selected.append(o % n)
+        return tuple(selected)
+
+    # -- binding --------------------------------------------------------------------
+
+    def _bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
+        """Values per schema position, defaults filled in; raise on a bad call."""
+        params = self._params
+        n_pos = sum(not p.kwarg_only for p in params)
+        if len(args) > n_pos:
+            raise KernelError(
+                f"op {self.name} takes {n_pos} positional argument(s) but {len(args)} were "
+                f"given; its schema is {self.op._schema}."
+            )
+        values: list[Any] = list(args) + [_MISSING] * (len(params) - len(args))
+        by_name = {p.name: i for i, p in enumerate(params)}
+        for key, v in kwargs.items():
+            if key not in by_name:
+                from ..spec.errors import did_you_mean
+
+                raise KernelError(
+                    f"op {self.name} has no argument {key!r}; its arguments are "
+                    f"{list(by_name)}.{did_you_mean(key, by_name)}"
+                )
+            i = by_name[key]
+            if values[i] is not _MISSING:
+                raise KernelError(f"op {self.name} got argument {key!r} both by position ({i}) and by keyword.")
+            values[i] = v
+        for i, p in enumerate(params):
+            if values[i] is _MISSING:
+                if not p.has_default:
+                    raise KernelError(
+                        f"op {self.name} is missing argument {p.name!r} (position {i}, type "
+                        f"{p.type_str}); its schema is {self.op._schema}."
+                    )
+                values[i] = p.default
+        return values
+
+    def _check_kinds(self, values: list[Any]) -> None:
+        for i, (p, v) in enumerate(zip(self._params, values)):
+            where = f"argument {p.name!r} (position {i}) of op {self.name}"
+            if p.kind == _TENSOR:
+                if v is None and "Optional" in p.type_str:
+                    continue
+                if not _is_array(v):
+                    raise KernelError(
+                        f"{where} is a Tensor in the schema, so pass a JAX array; got "
+                        f"{type(v).__name__} {v!r:.60}. Wrap scalars with jnp.asarray(...)."
+                    )
+            elif p.kind == _TENSOR_LIST:
+                if _contains_array(v):
+                    raise KernelError(
+                        f"{where} is a {p.type_str}; lists of tensors cannot be passed to a torch "
+                        f"op from JAX yet. Wrap the op in a custom op that takes separate Tensors."
+                    )
+            elif _contains_array(v):
+                raise KernelError(
+                    f"{where} is a {p.type_str} in the schema and must be a Python value, got a "
+                    f"JAX array. Pass a Python {p.type_str} (it is baked into the compiled program); "
+                    f"values that change from call to call must be Tensor arguments of the op."
+                )
+            if p.mutable and not _is_array(v):
+                raise KernelError(f"{where} is mutated by the op (Tensor(a!)) and must be a JAX array holding its initial value.")
+
+    # -- call -----------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> jax.Array | tuple[jax.Array, ...]:
+        values = self._bind(args, kwargs)
+        self._check_kinds(values)
+        array_pos = tuple(i for i, v in enumerate(values) if self._params[i].kind == _TENSOR and v is not None)
+        arrays = [jnp.asarray(values[i]) for i in array_pos]
+        for i, a in zip(array_pos, arrays):
+            check_x64_numpy(a.dtype, f"argument {self._params[i].name!r} of op {self.name}")
+        key = (
+            tuple((i, tuple(a.shape), np.dtype(a.dtype).str) for i, a in zip(array_pos, arrays)),
+            tuple(
+                (i, _hashable(v, f"argument {self._params[i].name!r} of op {self.name}"))
+                for i, v in enumerate(values)
+                if i not in array_pos
+            ),
+        )
+        call = self._cache.get(key)
+        if call is None:
+            with self._lock:
+                call = self._cache.get(key)
+                if call is None:
+                    call = self._build(values, array_pos, arrays)
+                    self._cache[key] = call
+        axes = frozenset().union(*(_vma(a) for a in arrays)) if arrays else frozenset()
+        arrays = [_vary(a, axes) for a in arrays]
+        out = call.fn(*arrays)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    # -- compile --------------------------------------------------------------------
+
+    def _fake_device(self) -> str:
+        return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+
+    def _call_op(self, values: Sequence[Any]) -> Any:
+        """Run the op on per-position values (positional, then keyword-only by name)."""
+        pos = [v for p, v in zip(self._params, values) if not p.kwarg_only]
+        kw = {p.name: v for p, v in zip(self._params, values) if p.kwarg_only}
+        return self.op(*pos, **kw)
+
+    def _returns(self, res: Any) -> tuple[Any, ...]:
+        if res is None:
+            return ()
+        return tuple(res) if isinstance(res, (tuple, list)) else (res,)
+
+    def _build(self, values: list[Any], array_pos: tuple[int, ...], arrays: list[jax.Array]) -> _Call:
+        statics = tuple(None if i in array_pos else v for i, v in enumerate(values))
+        mutated_pos = tuple(i for i in array_pos if self._params[i].mutable)
+        specs = self._result_specs(statics, array_pos, arrays, mutated_pos)
+        fwd_cb = self._forward_callback(statics, array_pos, mutated_pos, specs)
+        call = _Call(array_pos, mutated_pos, statics, self._n_returns, specs, self._selected, fn=None)  # type: ignore[arg-type]
+        return dataclasses.replace(call, fn=self._custom_vjp(call, fwd_cb, [a.dtype for a in arrays]))
+
+    def _fake_run(
+        self,
+        statics: tuple[Any, ...],
+        array_pos: tuple[int, ...],
+        arrays: Sequence[Any],
+        *,
+        grad: bool,
+        then: Callable[[tuple[Any, ...], list[Any]], Any] | None = None,
+    ) -> Any:
+        """Run the op on fake tensors; `then(results, leaves)` runs inside the fake mode.
+
+        Results are the returns, plus the mutated arguments when `grad` is set.
+        """
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        _triton_interp.skip_interpreted_launches_on_fakes()
+        device = self._fake_device()
+        with FakeTensorMode():
+            leaves, vals = [], list(statics)
+            for i, a in zip(array_pos, arrays):
+                where = f"argument {self._params[i].name!r} of op {self.name}"
+                t = torch.empty(tuple(a.shape), dtype=torch_dtype(a.dtype, where), device=device)
+                if grad and _is_inexact(a.dtype):
+                    leaves.append(t.requires_grad_(True))
+                    t = t.clone() if self._params[i].mutable else t
+                vals[i] = t
+            with torch.enable_grad() if grad else torch.no_grad():
+                res = self._returns(self._call_op(vals))
+                if grad:
+                    res = res + tuple(vals[i] for i in array_pos if self._params[i].mutable)
+                return then(res, leaves) if then is not None else res
+
+    def _result_specs(self, statics, array_pos, arrays, mutated_pos) -> tuple[jax.ShapeDtypeStruct, ...]:
+        missing_mut = [self._params[i].name for i in self._mutable if i not in array_pos]
+        if missing_mut:
+            raise KernelError(
+                f"op {self.name} mutates {missing_mut} but got None for them; pass arrays holding "
+                f"their initial values (e.g. jnp.zeros of the right shape)."
+            )
+        try:
+            res = self._fake_run(statics, array_pos, arrays, grad=False)
+        except DLPackError:
+            raise
+        except KernelError:
+            raise
+        except Exception as e:
+            raise _fake_error(self.name, e) from e
+        if len(res) != self._n_returns or not all(isinstance(r, torch.Tensor) for r in res):
+            raise KernelError(
+                f"the fake implementation of op {self.name} returned {len(res)} value(s) of types "
+                f"{[type(r).__name__ for r in res]}, but the schema declares {self._n_returns} "
+                f"Tensor(s); fix the function registered with register_fake."
+            )
+        specs = [
+            jax.ShapeDtypeStruct(tuple(r.shape), jax_dtype(r.dtype, f"return {k} of op {self.name}"))
+            for k, r in enumerate(res)
+        ]
+        by_pos = dict(zip(array_pos, arrays))
+        specs += [jax.ShapeDtypeStruct(tuple(by_pos[i].shape), by_pos[i].dtype) for i in mutated_pos]
+        return tuple(specs)
+
+    def _forward_callback(self, statics, array_pos, mutated_pos, specs) -> Callable[..., tuple[jax.Array, ...]]:
+        n_ret = self._n_returns
+        out_of = {i: n_ret + j for j, i in enumerate(mutated_pos)}
+        aliases = {array_pos.index(i): out_of[i] for i in mutated_pos}
+
+        def callback(ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
+            with _on_xla_stream(ctx, (*outs, *ins)):
+                t_out = [buffer_to_torch(b) for b in outs]
+                vals = list(statics)
+                for k, i in enumerate(array_pos):
+                    vals[i] = t_out[out_of[i]] if i in out_of else buffer_to_torch(ins[k])
+                with torch.no_grad():
+                    res = self._returns(self._call_op(vals))
+                for k in range(n_ret):
+                    if t_out[k].data_ptr() != res[k].data_ptr() or t_out[k].numel() == 0:
+                        t_out[k].copy_(res[k])
+
+        return buffer_callback(callback, specs, input_output_aliases=aliases or None)
+
+    def _backward_callback(self, call: _Call, dtypes: Sequence[Any], ct_idx: tuple[int, ...]) -> Callable[..., Any]:
+        """Callback computing the input cotangents of the inexact inputs."""
+        array_pos, statics = call.array_pos, call.statics
+        diff = tuple(k for k, d in enumerate(dtypes) if _is_inexact(d))
+        n_arrays = len(array_pos)
+
+        def callback(ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
+            with _on_xla_stream(ctx, (*outs, *ins)):
+                saved = [buffer_to_torch(b) for b in ins[:n_arrays]]
+                cts = [buffer_to_torch(b) for b in ins[n_arrays:]]
+                t_out = [buffer_to_torch(b) for b in outs]
+                vals = list(statics)
+                leaves = []
+                with torch.enable_grad():
+                    for k, i in enumerate(array_pos):
+                        t = saved[k].detach()
+                        mutable = self._params[i].mutable
+                        if mutable:
+                            t = t.clone()  # the op writes into it; never into JAX's buffer
+                        if k in diff:
+                            leaves.append(t.requires_grad_(True))
+                            if mutable:
+                                t = t.clone()  # in-place writes into a leaf are not allowed
+                        vals[i] = t
+                    res = self._returns(self._call_op(vals))
+                    mutated = tuple(vals[i] for i in call.mutated_pos)
+                    results = res + mutated
+                    outs_g, cts_g = [], []
+                    for j, ct in zip(ct_idx, cts):
+                        r = results[call.selected[j]]
+                        if r.requires_grad:
+                            outs_g.append(r)
+                            cts_g.append(ct)
+                    grads: Sequence[Any] = [None] * len(leaves)
+                    if outs_g:
+                        grads = torch.autograd.grad(outs_g, leaves, cts_g, allow_unused=True)
+                for o, g in zip(t_out, grads):
+                    if g is None:
+                        o.zero_()
+                    else:
+                        o.copy_(g)
+
+        return callback
+
+    def _check_differentiable(self, call: _Call, arrays: Sequence[Any]) -> None:
+        """Trace-time check, on fake tensors, that torch can differentiate the op."""
+        fix = (
+            f"Register a backward formula with torch.library.register_autograd({self.name.split('.')[0]!r}, "
+            f"backward, setup_context=...), or do not differentiate through this op "
+            f"(jax.lax.stop_gradient on its inputs)."
+        )
+        outputs = [self._result_names[j] for j in call.selected]
+
+        def probe(results: tuple[Any, ...], leaves: list[Any]) -> str | None:
+            live = [r for r in (results[j] for j in call.selected) if r.requires_grad]
+            if not leaves:
+                return None
+            if not live:
+                return f"torch autograd records no gradient for its results {outputs}."
+            torch.autograd.grad(live, leaves, [torch.ones_like(r) for r in live], allow_unused=True)
+            return None
+
+        try:
+            problem = self._fake_run(call.statics, call.array_pos, arrays, grad=True, then=probe)
+        except Exception as e:
+            problem = f"torch cannot differentiate it: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        if problem is not None:
+            raise NotDifferentiableError(f"jax.grad reached op {self.name}, but {problem} {fix}")
+
+    def _custom_vjp(self, call: _Call, fwd_cb: Callable[..., Any], dtypes: list[Any]) -> Callable[..., Any]:
+        selected = call.selected
+        sel_inexact = tuple(j for j, s in enumerate(selected) if _is_inexact(call.result_specs[s].dtype))
+        diff = tuple(k for k, d in enumerate(dtypes) if _is_inexact(d))
+        bwd_cb_body = self._backward_callback(call, dtypes, sel_inexact)
+        bwd_cache: dict[Any, Any] = {}
+
+        def run_forward(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+            axes = frozenset().union(*(_vma(a) for a in arrays)) if arrays else frozenset()
+            outs = fwd_cb(*arrays)
+            return tuple(_vary(outs[s], axes) for s in selected)
+
+        @jax.custom_vjp
+        def fn(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+            return run_forward(*arrays)
+
+        def fn_fwd(*arrays: jax.Array):
+            self._check_differentiable(call, arrays)
+            return run_forward(*arrays), arrays
+
+        def fn_bwd(saved: tuple[jax.Array, ...], cts: tuple[jax.Array, ...]):
+            axes = frozenset().union(*(_vma(a) for a in saved)) if saved else frozenset()
+            shapes = tuple(jax.ShapeDtypeStruct(saved[k].shape, saved[k].dtype) for k in diff)
+            key = tuple((s.shape, np.dtype(s.dtype).str) for s in shapes)
+            if key not in bwd_cache:
+                bwd_cache[key] = buffer_callback(bwd_cb_body, shapes)
+            ct_in = [cts[j] for j in sel_inexact]
+            grads = bwd_cache[key](*saved, *ct_in) if shapes else ()
+            out: list[Any] = [None] * len(saved)
+            for k, g in zip(diff, grads):
+                out[k] = _vary(g, axes)
+            return tuple(out)
+
+        fn.defvjp(fn_fwd, fn_bwd)
+        return fn
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
+
+
+def _contains_array(v: Any) -> bool:
+    if isinstance(v, (list, tuple)):
+        return any(_contains_array(x) for x in v)
+    return _is_array(v)
+
+
+def _fake_error(name: str, e: Exception) -> KernelError:
+    """Explain why the op's output specs could not be derived."""
+    from torch._subclasses.fake_tensor import UnsupportedOperatorException
+
+    text = f"{type(e).__name__}: {e}"
+    base = name.split(".")[0]
+    no_fake = isinstance(e, UnsupportedOperatorException) or "no fake impl" in text
+    if no_fake:
+        return KernelError(
+            f"cannot derive the output shapes of op {name}: it has no fake (meta) implementation "
+            f"that runs on FakeTensors ({text.splitlines()[0][:300]}). JAX needs the shapes before "
+            f"running it; register one with @torch.library.register_fake({base!r}) (a function "
+            f"returning torch.empty(...) of the right shapes, or None for ops that only mutate)."
+        )
+    if "data-dependent" in text or "DynamicOutputShape" in text:
+        return KernelError(
+            f"op {name} has data-dependent output shapes ({text.splitlines()[0][:300]}); JAX needs "
+            f"static shapes. Make the op take its output sizes as arguments (or pad to a capacity)."
+        )
+    return KernelError(
+        f"cannot derive the output shapes of op {name}: its fake implementation failed on "
+        f"FakeTensors with {text.splitlines()[0][:300]}. Check the function registered with "
+        f"torch.library.register_fake({base!r}) against the arguments passed."
+    )
+
+
+def _as_overload(op: Any) -> Any:
+    """An OpOverload from an OpOverload, packet or CustomOpDef; raise otherwise."""
+    tname = type(op).__name__
+    if tname == "CustomOpDef" and hasattr(op, "_opoverload"):
+        return op._opoverload
+    if tname == "OpOverloadPacket":
+        try:
+            return op.default
+        except AttributeError:
+            raise KernelError(
+                f"op packet {op} has no default overload; pass one of {list(op.overloads())} "
+                f"explicitly, e.g. torch.ops.<ns>.<name>.<overload>."
+            ) from None
+    if hasattr(op, "_schema") and hasattr(op, "_overloadname"):
+        return op
+    raise KernelError(
+        f"TorchOpKernel needs a torch op (torch.ops.ns.name.default, its packet, or a "
+        f"@torch.library.custom_op function); got {type(op).__name__} {op!r:.80}."
+    )
