@@ -1,0 +1,396 @@
+"""Transforms as `torch.autograd.Function`s that run the lowered JAX programs on local blocks.
+
+Each process owns one JAX device; the mesh spans one device per process. A
+transform turns this rank's torch block into its shard of a global `jax.Array`
+(DLPack, no copy, `jax.make_array_from_single_device_arrays`), runs a jitted
+`shard_map` program built from `nvalchemi_jaxbridge.lower.collectives`, and
+hands the local shard back (`torch.from_dlpack`). Backward runs `jax.vjp` of the
+same program (jitted, cached); backward's backward runs the forward again, so
+force training (double backward) works too.
+
+Programs use static capacities: a block of `n` rows is padded with zero rows to
+the plan's capacity on the device (no host round trip) when `n` is smaller.
+
+Per-rank adjoint of `AllReduceSum`: in torch each rank consumes its own copy
+of the sum, so the cotangent a rank receives is its partial. The program is
+therefore `psum` followed by a cast to per-device (varying) values, whose VJP
+sums the partial cotangents over ranks (`replicated_consumer=False`), or the
+lowered identity-adjoint sum (`replicated_consumer=True`), where every rank
+already holds the global cotangent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..kernels.dlpack import jax_to_torch, torch_to_jax
+from ..lower import collectives as col
+from ..lower.mesh import make_mesh, mesh_axis
+from ..lower.tables import device_tables, is_halo_plan, is_shard_plan
+
+_CONTEXTS: dict[int, tuple[Any, PlanContext]] = {}
+_MESH: dict[str, Any] = {}
+
+
+def front_door_mesh() -> jax.sharding.Mesh:
+    """The 1-D mesh of the torch front door: the first local device of every process, by rank."""
+    if "mesh" not in _MESH:
+        first: dict[int, Any] = {}
+        for d in jax.devices():
+            first.setdefault(d.process_index, d)
+        _MESH["mesh"] = make_mesh(devices=[first[p] for p in sorted(first)])
+    return _MESH["mesh"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PlanContext:
+    """A plan as seen by this process: its rank, counts, mesh and device tables."""
+
+    plan: Any
+    kind: str  # "halo" or "shard"
+    mesh: Any
+    axis: str
+    rank: int
+    n_devices: int
+    n_global: int
+    n_owned: int
+    n_ghost: int
+    owned_capacity: int
+    halo_rows: int
+
+    @functools.cached_property
+    def tables(self) -> Any:
+        """The plan's tables as sharded jax arrays (built on first use)."""
+        return device_tables(self.plan, self.mesh)
+
+    @functools.cached_property
+    def shard_tables(self) -> Any:
+        """Owner-routing tables (for `full_tensor`), also for a halo plan."""
+        if self.kind == "shard":
+            return self.tables
+        p = self.plan
+        view = types.SimpleNamespace(
+            n_devices=self.n_devices, n_global=self.n_global, owner=p.owner, local_index=p.local_index,
+            owned_global=p.owned_global, n_owned=p.n_owned, owned_capacity=self.owned_capacity,
+        )
+        return device_tables(view, self.mesh)
+
+    @property
+    def device(self) -> Any:
+        """This process's JAX device."""
+        return self.mesh.devices.flat[self.rank]
+
+    def owned_ids(self) -> np.ndarray:
+        """Global ids of this rank's owned rows, in row order."""
+        return np.asarray(self.plan.owned_global)[self.rank, : self.n_owned].astype(np.int64)
+
+    def default_policy(self) -> Any:
+        """The storage policy the plan implies (when no spec was given)."""
+        from ..spec import policies
+
+        return policies.HaloStoragePolicy() if self.kind == "halo" else policies.PlainShard()
+
+
+def _make_context(plan: Any) -> PlanContext:
+    """Validate `plan` against this job and read this rank's counts."""
+    if is_halo_plan(plan):
+        kind = "halo"
+    elif is_shard_plan(plan):
+        kind = "shard"
+    else:
+        raise TypeError(
+            f"ShardTensor: expected a HaloPlan or ShardPlan, got {type(plan).__name__}; build one with "
+            "nvalchemi_jaxbridge.layout"
+        )
+    mesh = front_door_mesh()
+    axis = mesh_axis(mesh)
+    world = int(mesh.shape[axis])
+    if int(plan.n_devices) != world:
+        raise ValueError(
+            f"ShardTensor: the plan was built for {plan.n_devices} devices but this job has {world} "
+            "process(es) with one device each; build the plan with n_devices=jax.process_count() "
+            "(start the job with the launcher and call nvalchemi_jaxbridge.torch.initialize() first)"
+        )
+    rank = jax.process_index()
+    n_owned = int(np.asarray(plan.n_owned)[rank])
+    oc = int(plan.owned_capacity)
+    if kind == "halo":
+        n_ghost, hr = int(np.asarray(plan.n_ghost)[rank]), int(plan.halo_rows)
+        n_global = int(getattr(plan, "n_atoms", getattr(plan, "n_global", -1)))
+    else:
+        n_ghost, hr, n_global = 0, oc, int(plan.n_global)
+    return PlanContext(plan, kind, mesh, axis, rank, world, n_global, n_owned, n_ghost, oc, hr)
+
+
+def context_for(plan: Any) -> PlanContext:
+    """The (cached) `PlanContext` of `plan` in this process."""
+    if isinstance(plan, PlanContext):
+        return plan
+    hit = _CONTEXTS.get(id(plan))
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    ctx = _make_context(plan)
+    _CONTEXTS[id(plan)] = (plan, ctx)
+    return ctx
+
+
+# ---- programs ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+    """A jitted shard_map program on local blocks and its jitted VJP."""
+
+    fwd: Callable[..., jax.Array]
+    bwd: Callable[..., jax.Array]
+    in_local: tuple[int, ...]
+    uses_tables: bool
+
+
+_PROGRAMS: dict[tuple, Program] = {}
+
+
+def _program(ctx: PlanContext, name: str, local_fn: Callable, in_local: tuple[int, ...], dtype: Any,
+             *, tables: Any = None) -> Program:
+    """Build (or fetch) the program `local_fn` over `ctx.mesh` for local input shape `in_local`."""
+    key = (name, id(ctx.mesh), in_local, str(dtype), None if tables is None else tables.static_key)
+    if key in _PROGRAMS:
+        return _PROGRAMS[key]
+    mesh, axis = ctx.mesh, ctx.axis
+    gshape = (ctx.n_devices * in_local[0],) + tuple(in_local[1:])
+    x_sharding = NamedSharding(mesh, P(axis))
+    if tables is None:
+        smap = jax.shard_map(lambda x, t: local_fn(x), mesh=mesh, in_specs=(P(axis), None), out_specs=P(axis))
+    else:
+        smap = jax.shard_map(local_fn, mesh=mesh, in_specs=(P(axis), tables.specs(axis)), out_specs=P(axis))
+
+    def vjp(t: Any, ct: jax.Array) -> jax.Array:
+        x0 = jax.lax.with_sharding_constraint(jnp.zeros(gshape, dtype), x_sharding)
+        return jax.vjp(lambda x: smap(x, t), x0)[1](ct)[0]
+
+    prog = Program(jax.jit(smap), jax.jit(vjp), in_local, tables is not None)
+    _PROGRAMS[key] = prog
+    return prog
+
+
+def _to_global(ctx: PlanContext, t: torch.Tensor, name: str) -> jax.Array:
+    """This rank's torch block as its shard of a global `P(axis)` array (no copy)."""
+    a = torch_to_jax(t.detach().contiguous(), name=name, copy=True)
+    if a.sharding.device_set != {ctx.device}:
+        a = jax.device_put(a, ctx.device)
+    gshape = (ctx.n_devices * t.shape[0],) + tuple(t.shape[1:])
+    return jax.make_array_from_single_device_arrays(gshape, NamedSharding(ctx.mesh, P(ctx.axis)), [a])
+
+
+def _local(out: jax.Array, name: str) -> torch.Tensor:
+    """This process's shard of a program output, as a torch tensor (no copy)."""
+    return jax_to_torch(out.addressable_shards[0].data, name=name)
+
+
+def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """`t` with zero rows appended up to `rows` (no copy when it already has them)."""
+    n = t.shape[0]
+    if n == rows:
+        return t
+    if n > rows:
+        raise ValueError(f"internal: block of {n} rows exceeds the capacity {rows}")
+    out = t.new_zeros((rows,) + tuple(t.shape[1:]))
+    out[:n] = t
+    return out
+
+
+def run(ctx: PlanContext, prog: Program, x: torch.Tensor, rows_out: int, name: str, *, adjoint: bool = False
+        ) -> torch.Tensor:
+    """Run `prog` (or its VJP) on this rank's block `x`; keep the first `rows_out` rows of the result."""
+    tables = ctx.tables if prog.uses_tables else None
+    if adjoint:
+        out = prog.bwd(tables, _to_global(ctx, x, name))
+    else:
+        out = prog.fwd(_to_global(ctx, x, name), tables)
+    y = _local(out, name)
+    return y if y.ndim == 0 else y[:rows_out]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Step:
+    """One linear (or affine) map of local blocks: its forward and its adjoint, as torch -> torch."""
+
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    backward: Callable[[torch.Tensor], torch.Tensor]
+    linear: Callable[[torch.Tensor], torch.Tensor] | None = None  # forward without its constant term
+
+    def adjoint(self) -> Step:
+        """The step whose forward is this step's backward."""
+        return Step(self.backward, self.linear or self.forward)
+
+
+class _Transform(torch.autograd.Function):
+    """Base: forward runs `step.forward`, backward runs `step.backward` (itself differentiable)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, step: Step) -> torch.Tensor:
+        ctx.step = step
+        return step.forward(x.detach())
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return AdjointFn.apply(g.contiguous(), ctx.step.adjoint()), None
+
+
+class GatherInputsFn(_Transform):
+    """GatherInputs: owned rows -> owned + ghost rows (forward halo exchange)."""
+
+
+class ScatterOutputsFn(_Transform):
+    """ScatterOutputs: reverse then forward halo exchange of a kernel output."""
+
+
+class AllReduceSumFn(_Transform):
+    """AllReduceSum: the sum over ranks, held by every rank."""
+
+
+class GatherInputsFullFn(_Transform):
+    """GatherInputsFull: owned rows -> all rows in global-id order."""
+
+
+class SliceOutputsOwnedFn(_Transform):
+    """SliceOutputsOwned: all rows -> this rank's owned rows."""
+
+
+class GatherOwnedFn(_Transform):
+    """`ShardTensor.full_tensor()`: owned rows of every rank in global-id order."""
+
+
+class AdjointFn(_Transform):
+    """The adjoint of a transform (what backward runs); differentiable again."""
+
+
+def gather_inputs_step(ctx: PlanContext, shape: tuple[int, ...], dtype: Any, *, positions: bool) -> Step:
+    """Owned block `(n_owned, *F)` -> halo block `(n_owned + n_ghost, *F)`."""
+    tail = tuple(shape[1:])
+    n_pad = ctx.n_owned + ctx.n_ghost
+    t = ctx.tables
+    progs = {
+        p: _program(ctx, f"gather_inputs(positions={p})",
+                    functools.partial(_halo_forward, axis=ctx.axis, positions=p),
+                    (ctx.owned_capacity,) + tail, dtype, tables=t)
+        for p in {positions, False}
+    }
+    name = "GatherInputs argument"
+    fwd = lambda x, p=positions: run(ctx, progs[p], _pad(x, ctx.owned_capacity), n_pad, name)  # noqa: E731
+    bwd = lambda g: run(ctx, progs[False], _pad(g, ctx.halo_rows), ctx.n_owned, name, adjoint=True)  # noqa: E731
+    lin = lambda x: run(ctx, progs[False], _pad(x, ctx.owned_capacity), n_pad, name)  # noqa: E731
+    return Step(fwd, bwd, lin)
+
+
+def _halo_forward(x: jax.Array, t: Any, *, axis: str, positions: bool) -> jax.Array:
+    """`collectives.halo_forward` with keyword arguments bound (for partial)."""
+    return col.halo_forward(x, t, axis, positions=positions)
+
+
+def scatter_outputs_step(ctx: PlanContext, shape: tuple[int, ...], dtype: Any) -> Step:
+    """Halo block `(n_owned + n_ghost, *F)` -> the same rows, ghost partials folded into owners."""
+    n_pad = ctx.n_owned + ctx.n_ghost
+    prog = _program(ctx, "scatter_outputs", functools.partial(_halo_scatter, axis=ctx.axis),
+                    (ctx.halo_rows,) + tuple(shape[1:]), dtype, tables=ctx.tables)
+    name = "ScatterOutputs output"
+    fwd = lambda x: run(ctx, prog, _pad(x, ctx.halo_rows), n_pad, name)  # noqa: E731
+    bwd = lambda g: run(ctx, prog, _pad(g, ctx.halo_rows), n_pad, name, adjoint=True)  # noqa: E731
+    return Step(fwd, bwd)
+
+
+def _halo_scatter(x: jax.Array, t: Any, *, axis: str) -> jax.Array:
+    """`collectives.halo_scatter` with the axis bound."""
+    return col.halo_scatter(x, t, axis)
+
+
+def _sum_per_rank(x: jax.Array, *, axis: str, replicated_consumer: bool) -> jax.Array:
+    """All-reduce whose result each device holds and consumes as its own (varying) value."""
+    if replicated_consumer:
+        return col.all_reduce_sum(x, axis, replicated_consumer=True)
+    return jax.lax.pcast(col.all_reduce_sum(x, axis), axis, to="varying")
+
+
+def all_reduce_step(ctx: PlanContext, shape: tuple[int, ...], dtype: Any, *, replicated_consumer: bool) -> Step:
+    """Any-shape partial -> the sum over ranks (same shape)."""
+    local = (1,) + tuple(shape)
+    fn = functools.partial(_sum_per_rank, axis=ctx.axis, replicated_consumer=replicated_consumer)
+    prog = _program(ctx, f"all_reduce_sum(replicated_consumer={replicated_consumer})", fn, local, dtype)
+    name = "AllReduceSum output"
+
+    def go(x: torch.Tensor, adjoint: bool) -> torch.Tensor:
+        return run(ctx, prog, x.reshape(local), 1, name, adjoint=adjoint).reshape(shape)
+
+    return Step(lambda x: go(x, False), lambda g: go(g, True))
+
+
+def gather_full_step(ctx: PlanContext, shape: tuple[int, ...], dtype: Any) -> Step:
+    """Owned block `(n_owned, *F)` -> `(n_global, *F)` in global-id order (sharded storage)."""
+    t = ctx.tables if ctx.kind == "shard" else ctx.shard_tables
+    prog = _program(ctx, "gather_full", functools.partial(_gather_full, axis=ctx.axis),
+                    (ctx.owned_capacity,) + tuple(shape[1:]), dtype, tables=t)
+    return _shard_step(ctx, prog, t, ctx.owned_capacity, ctx.n_global, ctx.n_owned, "GatherInputsFull argument")
+
+
+def _gather_full(x: jax.Array, t: Any, *, axis: str) -> jax.Array:
+    """`collectives.gather_full` with the axis bound."""
+    return col.gather_full(x, t, axis)
+
+
+def slice_outputs_owned_step(ctx: PlanContext, shape: tuple[int, ...], dtype: Any) -> Step:
+    """Kernel output `(n_global, *F)` -> this rank's owned rows `(n_owned, *F)`."""
+    t = ctx.tables
+    prog = _program(ctx, "slice_outputs_owned", functools.partial(_slice_owned_out, axis=ctx.axis),
+                    (ctx.n_global,) + tuple(shape[1:]), dtype, tables=t)
+    return _shard_step(ctx, prog, t, ctx.n_global, ctx.n_owned, ctx.n_global, "SliceOutputsOwned output")
+
+
+def _slice_owned_out(x: jax.Array, t: Any, *, axis: str) -> jax.Array:
+    """`collectives.slice_outputs_owned` with the axis bound."""
+    return col.slice_outputs_owned(x, t, axis)
+
+
+def _shard_step(ctx: PlanContext, prog: Program, tables: Any, in_rows: int, out_rows: int, back_rows: int,
+                name: str) -> Step:
+    """A step over shard tables (which may differ from `ctx.tables` for a halo plan)."""
+
+    def go(x: torch.Tensor, pad_to: int, keep: int, adjoint: bool) -> torch.Tensor:
+        g = _to_global(ctx, _pad(x, pad_to), name)
+        out = prog.bwd(tables, g) if adjoint else prog.fwd(g, tables)
+        return _local(out, name)[:keep]
+
+    out_cap = ctx.n_global if in_rows == ctx.owned_capacity else ctx.owned_capacity
+    return Step(lambda x: go(x, in_rows, out_rows, False), lambda g: go(g, out_cap, back_rows, True))
+
+
+def apply(fn: type[_Transform], x: torch.Tensor, step: Step) -> torch.Tensor:
+    """Run a transform Function on a plain (or ShardTensor) block, autograd included."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return fn.apply(x, step)
+
+
+def halo_from_owned(ctx: PlanContext, owned: torch.Tensor, *, positions: bool) -> torch.Tensor:
+    """Forward halo exchange of an owned block (differentiable)."""
+    step = gather_inputs_step(ctx, tuple(owned.shape), _jax_dtype(owned), positions=positions)
+    return apply(GatherInputsFn, owned, step)
+
+
+def gather_owned(ctx: PlanContext, owned: torch.Tensor) -> torch.Tensor:
+    """All ranks' owned rows in global-id order, on every rank (differentiable)."""
+    return apply(GatherOwnedFn, owned, gather_full_step(ctx, tuple(owned.shape), _jax_dtype(owned)))
+
+
+def _jax_dtype(t: torch.Tensor) -> Any:
+    """The numpy dtype matching a torch tensor's dtype."""
+    return torch.empty((), dtype=t.dtype).numpy().dtype if t.dtype != torch.bfloat16 else jnp.bfloat16
