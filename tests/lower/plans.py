@@ -116,3 +116,13 @@ def np_reverse(plan, y):
                 if row < oc and slot < hr:
                     out[src, row] += y[dst, slot]
     return out.reshape((d * oc,) + out.shape[2:])
+
+
+def make_spec(policy, *adapters):
+    """A DistributionSpec (a stand-in namespace until the spec layer's lands)."""
+    try:
+        from nvalchemi_jaxbridge.spec.distribution import DistributionSpec
+    except ImportError:
+        return types.SimpleNamespace(policy=policy, custom_ops=tuple(adapters),
+                                     shard_fields=("positions", "charges", "atomic_numbers"))
+    return DistributionSpec(policy=policy, custom_ops=tuple(adapters))

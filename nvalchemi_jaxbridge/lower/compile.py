@@ -1,0 +1,652 @@
+"""compile(spec, mesh, plan): each adapter as one jitted `shard_map` program.
+
+A call runs, on every device's block: the argument transforms, the kernel, and
+the output transforms (docs/design.md, "Transform semantics inside shard_map").
+
+Argument rule (one per leaf of the call's arguments):
+
+| argument | passed to the program as | global shape |
+|---|---|---|
+| at a `GatherInputs` position | owned storage, `P(axis)` | `(D * owned_capacity, ...)` |
+| at a `SliceOwned` position | halo storage, `P(axis)` | `(D * halo_rows, ...)` |
+| at a `GatherInputsFull` position | sharded storage + pad rows, `P(axis)` | `(D * (owned_capacity + k), ...)` |
+| other `jax.Array` sharded `P(axis, ...)` on the mesh | per-device block, `P(axis)` | `(D * rows, ...)` |
+| other traced array (inside `jit` / `grad` / `vjp`) with storage rows | per-device block, `P(axis)` | owned or halo storage rows |
+| other traced array | replicated, `P()` | any |
+| other array (numpy, or a fully replicated `jax.Array`) | replicated, `P()` | any |
+| Python scalar, `None`, string | a static constant (a new value recompiles) | - |
+
+Inside `jax.jit` / `jax.grad` an Auto mesh does not type per-device arrays, so a
+traced untransformed array is taken as per-device exactly when its rows are this
+plan's storage rows (`D * owned_capacity`, `D * halo_rows`; sharded storage:
+`D * owned_capacity` or `D * (owned_capacity + 1)`). Pass per-device arrays of
+other row counts as concrete arrays (closures) when differentiating.
+Untransformed arguments may be pytrees (lists, tuples, dicts) of such leaves.
+Any other `jax.Array` sharding is rejected, never resharded silently.
+
+Outputs: `ScatterOutputs` -> halo storage `P(axis)`; `AllReduceSum` ->
+replicated `P()`; `SliceOutputsOwned` -> `(D * (owned_capacity + k), ...)`
+`P(axis)`; any other output is each device's block, concatenated `P(axis)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..spec.transforms import (
+    AllReduceSum,
+    GatherInputs,
+    GatherInputsFull,
+    ScatterOutputs,
+    SliceOutputsOwned,
+    SliceOwned,
+)
+from . import collectives as C
+from .mesh import mesh_axis
+from .tables import HaloTables, ShardTables, Tables, device_tables, is_halo_plan, is_shard_plan, place
+
+_HALO_ONLY = (GatherInputs, SliceOwned, ScatterOutputs, AllReduceSum)
+_SHARD_ONLY = (GatherInputsFull, SliceOutputsOwned)
+_STATIC_TYPES = (bool, int, float, complex, str, bytes, type(None))
+
+
+# ------------------------------------------------------------------ kernel slot
+
+
+def jax_kernel(op: Any) -> Callable[..., Any]:
+    """The default kernel slot: a Python callable is a JAX kernel; torch ops are refused.
+
+    Raises:
+        TypeError: `op` is a torch op, a lazy `"ns::name"` reference, or not callable.
+    """
+    if isinstance(op, str):
+        raise TypeError(
+            f"op {op!r} is a lazy torch op reference: use nvalchemi_jaxbridge.compile, which knows "
+            "torch kernels, or pass kernel_for= to nvalchemi_jaxbridge.lower.compile."
+        )
+    if hasattr(op, "_schema") or type(op).__module__.startswith("torch") or str(
+        getattr(op, "__module__", "") or ""
+    ).startswith("torch"):
+        raise TypeError(
+            f"op {op} is a torch op: use nvalchemi_jaxbridge.compile, which knows torch kernels "
+            "(the lower layer runs JAX callables only)."
+        )
+    if not callable(op):
+        raise TypeError(f"op {op!r} is not callable; a JAX kernel is a function of jax arrays.")
+    return op
+
+
+def _param_names(kernel: Callable[..., Any]) -> tuple[tuple[str, ...], bool] | None:
+    """`(positional parameter names, takes *args)`, from `kernel.param_names` or its signature."""
+    names = getattr(kernel, "param_names", None)
+    if names is not None:
+        return tuple(names), False
+    try:
+        sig = inspect.signature(kernel)
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = sig.parameters.values()
+    return (tuple(p.name for p in params if p.kind in kinds),
+            any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params))
+
+
+# ---------------------------------------------------------------- one adapter
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Entry:
+    """One adapter of the spec, resolved: its kernel, transforms and position arguments."""
+
+    index: int
+    adapter: Any
+    name: str
+    kernel: Callable[..., Any]
+    params: tuple[str, ...] | None
+    args: Mapping[int, Any]
+    outs: Mapping[int, Any]
+    positions: frozenset[int] = frozenset()
+
+    def label(self, pos: int) -> str:
+        """`argument 0 ('positions')`, or `argument 0` if the name is unknown."""
+        if self.params is not None and pos < len(self.params):
+            return f"argument {pos} ({self.params[pos]!r})"
+        return f"argument {pos}"
+
+
+def _target(adapter: Any) -> str:
+    """The adapter's target name (`describe().target`), e.g. `"demo::conv"`."""
+    try:
+        return str(adapter.describe().target)
+    except Exception:  # noqa: BLE001 - a stand-in without describe()
+        return str(getattr(adapter, "op", adapter))
+
+
+def _storage_kind(spec: Any) -> str:
+    """`"halo"` or `"shard"` from the spec's policy kind."""
+    policy = getattr(spec, "policy", None)
+    kind = getattr(policy, "kind", None)
+    if kind in ("halo", "refresh_halo"):
+        return "halo"
+    if kind in ("shard", "graph_parallel"):
+        return "shard"
+    raise ValueError(
+        f"compile: the spec's policy is {policy!r}, which has no distributed storage; use "
+        "DistributionSpec(policy=HaloStoragePolicy(), ...) with a HaloPlan, or PlainShard() / "
+        "GraphParallelPolicy() with a ShardPlan."
+    )
+
+
+def _check_kinds(name: str, table: Mapping[int, Any], slot: str, kind: str, policy: Any) -> None:
+    """Raise if a transform of `table` belongs to the other storage kind."""
+    wrong = _SHARD_ONLY if kind == "halo" else _HALO_ONLY
+    ok = _HALO_ONLY if kind == "halo" else _SHARD_ONLY
+    arg_side = (GatherInputs, GatherInputsFull, SliceOwned)
+    allowed = [c.__name__ for c in ok if (c in arg_side) == (slot == "arg_transforms")]
+    for pos, t in sorted(table.items()):
+        if isinstance(t, wrong):
+            other = "sharded (PlainShard / GraphParallelPolicy)" if kind == "halo" else "halo (HaloStoragePolicy)"
+            raise ValueError(
+                f"compile: adapter {name!r} declares {type(t).__name__}() on {slot}[{pos}], a transform "
+                f"for {other} storage, but the spec's policy is {type(policy).__name__} ({kind} storage), "
+                f"where it would do nothing. Remove it, or use one of {allowed} there."
+            )
+
+
+def _resolve(spec: Any, kind: str, kernel_for: Callable[[Any], Callable[..., Any]]) -> tuple[_Entry, ...]:
+    """Every adapter of the spec, checked against the storage kind, with its kernel."""
+    entries = []
+    for i, adapter in enumerate(getattr(spec, "custom_ops", ()) or ()):
+        name = _target(adapter)
+        args, outs = dict(adapter.arg_transforms), dict(adapter.output_transforms)
+        _check_kinds(name, args, "arg_transforms", kind, spec.policy)
+        _check_kinds(name, outs, "output_transforms", kind, spec.policy)
+        kernel = kernel_for(adapter.op)
+        sig = _param_names(kernel)
+        params = None
+        if sig is not None:
+            params, var = sig
+            if not var and (beyond := sorted(p for p in args if p >= len(params))):
+                raise ValueError(
+                    f"compile: adapter {name!r} declares {type(args[beyond[0]]).__name__}() on argument "
+                    f"{beyond[0]}, but its kernel takes {len(params)} positional parameters {params}; "
+                    "count positions from 0 as in op(*args)."
+                )
+        entries.append(_Entry(i, adapter, name, kernel, params, args, outs))
+    return tuple(entries)
+
+
+def _find(entries: tuple[_Entry, ...], target: Any, where: str) -> _Entry:
+    """The entry named by an adapter, its op, or its target name."""
+    if isinstance(target, str):
+        hits = [e for e in entries if e.name == target or (isinstance(e.adapter.op, str) and e.adapter.op == target)]
+    else:
+        hits = [e for e in entries if e.adapter is target or e.adapter.op is target]
+        if not hits:
+            hits = [e for e in entries if _safe_eq(e.adapter, target)]
+    if len(hits) == 1:
+        return hits[0]
+    known = [e.name for e in entries]
+    if not hits:
+        raise KeyError(
+            f"{where}: {target!r} is not an adapter of this spec; known targets: {known}. Pass the "
+            "OpAdapter, its op, or its target name (OpAdapter.describe().target)."
+        )
+    raise KeyError(f"{where}: {target!r} matches {len(hits)} adapters ({known}); pass the OpAdapter itself.")
+
+
+def _safe_eq(a: Any, b: Any) -> bool:
+    """`a == b`, False when comparing raises."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _position_args(entries: tuple[_Entry, ...], kind: str, positions: Mapping[Any, Iterable[int | str]] | None):
+    """Entries with their `positions` arguments resolved to ints and checked."""
+    if not positions:
+        return entries
+    if not isinstance(positions, Mapping):
+        raise TypeError(
+            f"compile: positions must be a dict {{adapter or target name: [argument positions or names]}}, "
+            f"got {type(positions).__name__}; e.g. positions={{'demo::lj': [0]}}."
+        )
+    chosen: dict[int, set[int]] = {}
+    for key, items in positions.items():
+        e = _find(entries, key, "compile(positions=...)")
+        if isinstance(items, (str, int)):
+            items = [items]
+        for item in items:
+            pos = item
+            if isinstance(item, str):
+                if e.params is None or item not in e.params:
+                    raise ValueError(
+                        f"compile(positions=...): adapter {e.name!r} has no positional parameter {item!r}; "
+                        f"its parameters are {e.params}."
+                    )
+                pos = e.params.index(item)
+            if isinstance(pos, bool) or not isinstance(pos, int) or not isinstance(e.args.get(pos), GatherInputs):
+                raise ValueError(
+                    f"compile(positions=...): adapter {e.name!r} {e.label(pos) if isinstance(pos, int) else repr(pos)} "
+                    f"is not a GatherInputs argument (those are {sorted(p for p, t in e.args.items() if isinstance(t, GatherInputs))}); "
+                    "only gathered positions get periodic image shifts."
+                )
+            chosen.setdefault(e.index, set()).add(pos)
+    return tuple(dataclasses.replace(e, positions=frozenset(chosen.get(e.index, ()))) for e in entries)
+
+
+# -------------------------------------------------------------- CompiledSpec
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CompiledSpec:
+    """A spec lowered for one mesh and plan. Build it with `compile`.
+
+    Attributes:
+        spec, mesh, plan: what it was compiled for.
+        tables: the plan's tables on the mesh (`HaloTables` or `ShardTables`).
+        axis: the mesh axis name.
+        kind: `"halo"` or `"shard"`.
+    """
+
+    spec: Any
+    mesh: Mesh
+    plan: Any
+    tables: Tables
+    axis: str
+    kind: str
+    _entries: tuple[_Entry, ...]
+    _cache: dict = dataclasses.field(repr=False)
+    per_device_reductions: bool = False
+
+    # ------------------------------------------------------------- data
+
+    def _sharded(self, x: np.ndarray) -> jax.Array:
+        return place(x, NamedSharding(self.mesh, P(self.axis)))
+
+    def owned(self, x: Any, positions: bool = False, *, pad_rows: int = 1) -> jax.Array:
+        """Global per-atom numpy values `(N, ...)` as owned storage, sharded over the mesh.
+
+        Halo plans give `(D * owned_capacity, ...)` (`positions=True` parks padding
+        rows); shard plans give `(D * (owned_capacity + pad_rows), ...)`.
+        """
+        if self.kind == "halo":
+            return self._sharded(self.plan.to_owned(np.asarray(x), positions=positions))
+        if positions:
+            raise ValueError(
+                "CompiledSpec.owned(positions=True): sharded storage has no image shifts or parking; "
+                "leave positions=False."
+            )
+        return self._sharded(self.plan.to_owned(np.asarray(x), pad_rows=pad_rows))
+
+    def halo(self, x: Any, positions: bool = False) -> jax.Array:
+        """Global per-atom numpy values `(N, ...)` as halo storage `(D * halo_rows, ...)`, sharded."""
+        self._need_halo("halo")
+        return self._sharded(self.plan.to_halo(np.asarray(x), positions=positions))
+
+    def halo_owned_mask(self) -> jax.Array:
+        """`(D * halo_rows,)` bool, sharded: True on each device's owned rows of its halo block."""
+        self._need_halo("halo_owned_mask")
+        return self.tables.halo_owned_mask
+
+    def to_global(self, x_owned: jax.Array, *, pad_rows: int = 1) -> np.ndarray:
+        """Owned storage back to per-atom numpy values `(N, ...)` in global-ID order (all processes)."""
+        if isinstance(x_owned, jax.Array) and not x_owned.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            x = np.asarray(multihost_utils.process_allgather(x_owned, tiled=True))
+        else:
+            x = np.asarray(x_owned)
+        if self.kind == "halo":
+            return self.plan.from_owned(x)
+        return self.plan.from_owned(x, pad_rows=pad_rows)
+
+    def _need_halo(self, what: str) -> None:
+        if self.kind != "halo":
+            raise ValueError(
+                f"CompiledSpec.{what}: the spec uses sharded storage ({type(self.spec.policy).__name__}), "
+                "which has no halo rows; use owned() / to_global()."
+            )
+
+    # ------------------------------------------------------------- plans
+
+    def with_plan(self, plan: Any) -> CompiledSpec:
+        """The same spec on a new plan. Compiled programs are reused when capacities and offsets match."""
+        if (self.kind == "halo") != is_halo_plan(plan) or (self.kind == "shard") != is_shard_plan(plan):
+            raise TypeError(
+                f"CompiledSpec.with_plan: this spec uses {self.kind} storage, so the new plan must be a "
+                f"{'HaloPlan' if self.kind == 'halo' else 'ShardPlan'}, got {type(plan).__name__}."
+            )
+        return dataclasses.replace(self, plan=plan, tables=device_tables(plan, self.mesh))
+
+    def rebuild(self, positions: Any, *, on_overflow: str = "replan") -> CompiledSpec:
+        """`with_plan(plan.rebuild(positions, on_overflow=...))`: re-plan after atoms moved (halo plans).
+
+        With `on_overflow="replan"` a capacity that no longer fits is grown (the
+        programs then recompile once); with `"raise"` the layout layer's
+        `HaloOverflowError` propagates.
+        """
+        self._need_halo("rebuild")
+        return self.with_plan(self.plan.rebuild(np.asarray(positions), on_overflow=on_overflow))
+
+    # ------------------------------------------------------------- calls
+
+    def call(self, target: Any, /, *args: Any, **kwargs: Any) -> Any:
+        """Run one adapter's program: argument transforms, kernel, output transforms.
+
+        Args:
+            target: the `OpAdapter`, its op, or its target name (`describe().target`).
+            *args, **kwargs: the kernel's arguments; transformed positions may
+                be passed by keyword (matched by parameter name). See the module
+                docstring for how each argument is placed.
+
+        Returns:
+            The kernel's outputs after the output transforms, as global
+            `jax.Array`s (a single array if the kernel returns one).
+        """
+        e = _find(self._entries, target, "CompiledSpec.call")
+        flat, treedef, roles = self._classify(e, args, kwargs)
+        key = (e.index, treedef, tuple(r[:2] if r[0] != "static" else r for r in roles),
+               self.tables.static_key, self.per_device_reductions)
+        fn = self._cache.get(key)
+        if fn is None:
+            fn = self._build(e, treedef, roles)
+            self._cache[key] = fn
+        dyn = [x for x, r in zip(flat, roles) if r[0] != "static"]
+        out, single = fn(self.tables, *dyn)
+        return out[0] if single else out
+
+    def _classify(self, e: _Entry, args: tuple, kwargs: dict) -> tuple[list, Any, list]:
+        """Flatten the call's arguments and give each leaf a role, placing numpy data on the mesh."""
+        at: dict[Any, int] = {}  # ("a", i) or ("k", name) -> transformed position
+        for pos in e.args:
+            if pos < len(args):
+                at[("a", pos)] = pos
+            elif e.params is not None and pos < len(e.params) and e.params[pos] in kwargs:
+                at[("k", e.params[pos])] = pos
+            else:
+                kw = f" or keyword {e.params[pos]!r}" if e.params is not None and pos < len(e.params) else ""
+                raise TypeError(
+                    f"CompiledSpec.call: adapter {e.name!r} declares {type(e.args[pos]).__name__}() on "
+                    f"{e.label(pos)}, but the call passed neither positional argument {pos}{kw}."
+                )
+        flat, roles, parts = [], [], []
+        for where, value in [(("a", i), v) for i, v in enumerate(args)] + [(("k", k), v) for k, v in kwargs.items()]:
+            pos = at.get(where)
+            if pos is not None:
+                x, role = self._transformed(e, pos, value)
+                flat.append(x)
+                roles.append(role)
+                parts.append(jax.tree_util.tree_structure(0))
+                continue
+            leaves, sub = jax.tree_util.tree_flatten(value)
+            parts.append(sub)
+            for leaf in leaves:
+                x, role = self._plain(e, where, leaf)
+                flat.append(x)
+                roles.append(role)
+        keys = tuple(w for w, _ in [(("a", i), 0) for i in range(len(args))] + [(("k", k), 0) for k in kwargs])
+        return flat, (keys, tuple(parts)), roles
+
+    def _transformed(self, e: _Entry, pos: int, value: Any) -> tuple[jax.Array, tuple]:
+        """A transformed argument, checked against the plan's rows and placed `P(axis)`."""
+        t = e.args[pos]
+        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+            raise TypeError(
+                f"CompiledSpec.call: adapter {e.name!r} {e.label(pos)} has {type(t).__name__}() but got "
+                f"{type(value).__name__}; pass an array of per-atom rows."
+            )
+        d = self.tables.n_devices
+        rows = value.shape[0] if len(value.shape) else None
+        if isinstance(t, GatherInputs):
+            want, store = d * self.tables.owned_capacity, "owned storage (CompiledSpec.owned)"
+            ok = rows == want
+        elif isinstance(t, SliceOwned):
+            want, store = d * self.tables.halo_rows, "halo storage (CompiledSpec.halo)"
+            ok = rows == want
+        else:
+            want, store = f"{d} * (owned_capacity={self.tables.owned_capacity} + pad rows)", "sharded storage (CompiledSpec.owned)"
+            ok = rows is not None and rows % d == 0 and rows // d >= self.tables.owned_capacity
+        if not ok:
+            raise ValueError(
+                f"CompiledSpec.call: adapter {e.name!r} {e.label(pos)} ({type(t).__name__}) expects "
+                f"{store} with {want} rows, got shape {tuple(value.shape)}."
+            )
+        if isinstance(value, jax.core.Tracer):
+            pass  # inside jit / grad: shard_map places it by in_specs
+        elif isinstance(value, jax.Array):
+            spec = getattr(value.sharding, "spec", None)
+            if not (isinstance(value.sharding, NamedSharding) and spec and spec[0] == self.axis):
+                if not value.is_fully_addressable:
+                    raise ValueError(
+                        f"CompiledSpec.call: adapter {e.name!r} {e.label(pos)} must be sharded P({self.axis!r}) "
+                        f"over the mesh, got {value.sharding}."
+                    )
+                value = self._sharded(np.asarray(value))
+        else:
+            value = self._sharded(np.asarray(value))
+        return value, ("sharded", (tuple(value.shape), str(value.dtype)), pos)
+
+    def _plain(self, e: _Entry, where: tuple, leaf: Any) -> tuple[Any, tuple]:
+        """An untransformed leaf: per-device block, replicated array, or static constant."""
+        if isinstance(leaf, jax.core.Tracer):
+            # Under jit / grad only Explicit axes are visible in the type; on an Auto mesh a
+            # traced per-device array cannot be told from a replicated one.
+            # Storage-shaped traced arrays are taken as per-device blocks.
+            spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", None)
+            typed = bool(spec) and leaf.ndim > 0 and spec[0] == self.axis
+            role = "sharded" if typed or (leaf.ndim > 0 and leaf.shape[0] in self._storage_rows()) else "replicated"
+            return leaf, (role, (tuple(leaf.shape), str(leaf.dtype)), None)
+        if isinstance(leaf, jax.Array):
+            sh = leaf.sharding
+            aval = (tuple(leaf.shape), str(leaf.dtype))
+            if isinstance(sh, NamedSharding) and sh.spec and sh.spec[0] == self.axis and leaf.ndim:
+                if tuple(sh.mesh.devices.flat) != tuple(self.mesh.devices.flat):
+                    raise ValueError(self._where(e, where) + " is sharded over another mesh; place it on "
+                                     "this CompiledSpec's mesh.")
+                return leaf, ("sharded", aval, None)
+            if sh.is_fully_replicated:
+                return leaf, ("replicated", aval, None)
+            raise ValueError(
+                self._where(e, where) + f" has sharding {sh}; pass per-device blocks sharded "
+                f"P({self.axis!r}) over the mesh, or a replicated array (P())."
+            )
+        if isinstance(leaf, (np.ndarray, np.generic)):
+            x = place(np.asarray(leaf), NamedSharding(self.mesh, P()))
+            return x, ("replicated", (tuple(x.shape), str(x.dtype)), None)
+        if isinstance(leaf, _STATIC_TYPES):
+            return leaf, ("static", type(leaf).__name__, leaf)
+        raise TypeError(
+            self._where(e, where) + f" is {type(leaf).__name__}; pass arrays, Python scalars or "
+            "pytrees of them."
+        )
+
+    def _storage_rows(self) -> tuple[int, ...]:
+        """Global row counts of this plan's storage: owned and halo, or sharded with 0 or 1 pad rows."""
+        t, d = self.tables, self.tables.n_devices
+        if isinstance(t, HaloTables):
+            return (d * t.owned_capacity, d * t.halo_rows)
+        return (d * t.owned_capacity, d * (t.owned_capacity + 1))
+
+    @staticmethod
+    def _where(e: _Entry, where: tuple) -> str:
+        what = f"argument {where[1]}" if where[0] == "a" else f"keyword {where[1]!r}"
+        return f"CompiledSpec.call: adapter {e.name!r} {what}"
+
+    # ------------------------------------------------------------- programs
+
+    def _build(self, e: _Entry, treedef: Any, roles: list) -> Callable[..., Any]:
+        """jit(shard_map(body)) for one adapter and argument layout."""
+        axis, mesh = self.axis, self.mesh
+        (keys, parts) = treedef
+        shape_info: dict[str, Any] = {}
+
+        def body(t: Tables, *dyn: Any) -> Any:
+            it = iter(dyn)
+            flat = [next(it) if r[0] != "static" else r[2] for r in roles]
+            pos_iter = iter(flat)
+            values = [jax.tree_util.tree_unflatten(p, [next(pos_iter) for _ in range(p.num_leaves)]) for p in parts]
+            args = [v for k, v in zip(keys, values) if k[0] == "a"]
+            kwargs = {k[1]: v for k, v in zip(keys, values) if k[0] == "k"}
+            for k, v in zip(keys, values):
+                pos = k[1] if k[0] == "a" else (e.params.index(k[1]) if e.params and k[1] in e.params else None)
+                tr = e.args.get(pos) if pos is not None else None
+                if tr is None:
+                    continue
+                v = self._arg_transform(tr, v, t, pos in e.positions)
+                if k[0] == "a":
+                    args[k[1]] = v
+                else:
+                    kwargs[k[1]] = v
+            result = e.kernel(*args, **kwargs)
+            single = not isinstance(result, (tuple, list))
+            outs = [result] if single else list(result)
+            if beyond := sorted(p for p in e.outs if p >= len(outs)):
+                raise ValueError(
+                    f"CompiledSpec.call: adapter {e.name!r} declares {type(e.outs[beyond[0]]).__name__}() on "
+                    f"output {beyond[0]}, but its kernel returned {len(outs)} output(s)."
+                )
+            shape_info["single"] = single
+            res = []
+            for i, o in enumerate(outs):
+                if not hasattr(o, "shape"):
+                    raise TypeError(
+                        f"CompiledSpec.call: adapter {e.name!r} output {i} is {type(o).__name__}, expected an array."
+                    )
+                res.append(self._out_transform(e, i, e.outs.get(i), o, t))
+            return tuple(res)
+
+        in_specs = (self.tables.specs(axis),) + tuple(
+            P() if r[0] == "replicated" else P(axis) for r in roles if r[0] != "static")
+
+        def probe(t: Tables, *dyn: Any) -> Any:
+            return tuple(o[None] for o in body(t, *dyn))
+
+        probe_fn = jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=P(axis), check_vma=True)
+        ghost_args = [jax.ShapeDtypeStruct(r[1][0], r[1][1]) for r in roles if r[0] != "static"]
+        avals = jax.eval_shape(probe_fn, self.tables, *ghost_args)
+        out_specs = []
+        for i, a in enumerate(avals):
+            tr = e.outs.get(i)
+            if isinstance(tr, AllReduceSum) and not self.per_device_reductions:
+                out_specs.append(P())
+            elif len(a.shape) < 2 and not isinstance(tr, AllReduceSum):
+                raise ValueError(
+                    f"CompiledSpec.call: adapter {e.name!r} output {i} is a scalar on each device; declare "
+                    f"AllReduceSum() on output {i} to sum it over devices, or return per-row values."
+                )
+            else:
+                out_specs.append(P(axis))
+        single = shape_info["single"]
+        prog = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=tuple(out_specs), check_vma=True)
+        jitted = jax.jit(prog)
+        return lambda t, *dyn: (jitted(t, *dyn), single)
+
+    def _arg_transform(self, tr: Any, v: jax.Array, t: Tables, positions: bool) -> jax.Array:
+        if isinstance(tr, GatherInputs):
+            return C.halo_forward(v, t, self.axis, positions=positions)
+        if isinstance(tr, SliceOwned):
+            return C.slice_owned(v, t)
+        return C.gather_full(v, t, self.axis)
+
+    def _out_transform(self, e: _Entry, i: int, tr: Any, o: jax.Array, t: Tables) -> jax.Array:
+        if tr is None:
+            return o
+        if isinstance(tr, ScatterOutputs):
+            if o.ndim == 0 or o.shape[0] != t.halo_rows:
+                raise ValueError(
+                    f"CompiledSpec.call: adapter {e.name!r} output {i} (ScatterOutputs) must have halo_rows="
+                    f"{t.halo_rows} rows per device (the kernel's halo block), got shape {tuple(o.shape)}."
+                )
+            return C.halo_scatter(o, t, self.axis)
+        if isinstance(tr, AllReduceSum):
+            if not self.per_device_reductions:
+                return C.all_reduce_sum(o, self.axis)
+            y = C.all_reduce_sum(o, self.axis, replicated_consumer=tr.replicated_consumer)
+            if not tr.replicated_consumer:
+                y = jax.lax.pcast(y, self.axis, to="varying")
+            return y[None]
+        return C.slice_outputs_owned(o, t, self.axis)
+
+
+# ------------------------------------------------------------------- compile
+
+
+def compile(  # noqa: A001 - the name users know from the spec
+    spec: Any,
+    mesh: Mesh,
+    plan: Any,
+    *,
+    kernel_for: Callable[[Any], Callable[..., Any]] | None = None,
+    positions: Mapping[Any, Iterable[int | str]] | None = None,
+    per_device_reductions: bool = False,
+) -> CompiledSpec:
+    """Lower a `DistributionSpec` for a mesh and a plan.
+
+    Every adapter's transforms are checked against the storage kind now;
+    programs are traced and compiled on first call per argument layout and
+    cached per (adapter, argument shapes and shardings, plan capacities), so
+    `with_plan` with equal capacities reuses them.
+
+    Args:
+        spec: a `DistributionSpec` with a halo policy (`HaloStoragePolicy`,
+            `RefreshOnlyHaloPolicy`) or a sharded one (`PlainShard`,
+            `GraphParallelPolicy`); its `custom_ops` are the adapters.
+        mesh: a 1-D mesh (`make_mesh`) with `plan.n_devices` devices.
+        plan: a `HaloPlan` (halo policies) or `ShardPlan` (sharded policies).
+        kernel_for: the kernel slot, `op -> callable of local jax arrays`
+            (optional, default `jax_kernel`: Python callables only). A kernel may
+            expose `param_names` so keyword arguments map to positions.
+        positions: which `GatherInputs` arguments are positions and get the
+            plan's periodic image shifts and parking points, as
+            `{adapter, op or target name: [positions or parameter names]}`
+            (optional; by default no argument is shifted).
+        per_device_reductions: return `AllReduceSum` outputs as one copy per
+            device, `(D, *shape)` sharded `P(axis)`, so each device's cotangent
+            is separate: summed over devices in the adjoint for
+            `replicated_consumer=False`, passed through for `True` (the
+            PyTorch front door's per-rank semantics). By default (False) they
+            are one replicated `P()` value whose single cotangent reaches every
+            device's partial unchanged, whichever the flag.
+
+    Returns:
+        A `CompiledSpec`; run an adapter with `.call(target, *args, **kwargs)`.
+
+    Raises:
+        ValueError: the policy has no distributed storage, the plan kind does
+            not match it, a transform belongs to the other storage kind, a
+            transform position is beyond the kernel's parameters, or
+            `positions` names something that is not a gathered argument.
+        KeyError: `positions` names an unknown adapter.
+        TypeError: the kernel slot refuses an op (e.g. a torch op with the default slot).
+
+    Example:
+        >>> cs = compile(spec, make_mesh(8), plan, positions={"lj": [0]})
+        >>> forces, energy = cs.call("lj", cs.owned(pos, positions=True), cs.halo_owned_mask())
+    """
+    axis = mesh_axis(mesh)
+    kind = _storage_kind(spec)
+    if kind == "halo" and not is_halo_plan(plan):
+        raise ValueError(
+            f"compile: the spec's policy {type(spec.policy).__name__} uses halo storage, which needs a "
+            f"HaloPlan (nvalchemi_jaxbridge.layout.HaloPlan.build), got {type(plan).__name__}."
+        )
+    if kind == "shard" and not is_shard_plan(plan):
+        raise ValueError(
+            f"compile: the spec's policy {type(spec.policy).__name__} uses sharded storage, which needs a "
+            f"ShardPlan, got {type(plan).__name__}."
+        )
+    tables = device_tables(plan, mesh)
+    entries = _resolve(spec, kind, kernel_for or jax_kernel)
+    entries = _position_args(entries, kind, positions)
+    return CompiledSpec(spec, mesh, plan, tables, axis, kind, entries, {},
+                        per_device_reductions=bool(per_device_reductions))
