@@ -46,7 +46,6 @@ def build_ours() -> dict[str, dict]:
         nb.OpAdapter("demo::spread", owned_slice_inputs=[0, 1], all_reduce_outputs=[0, 1]),
         nb.OpAdapter("demo::conv", gather_inputs=[0], scatter_outputs=[0]),
         nb.OpAdapter("demo::spread", output_transforms={0: nb.AllReduceSum(replicated_consumer=True)}),
-        nb.OpAdapter("demo::conv", gather_inputs_full=[0, 2], slice_outputs_owned=[1]),
     ]
     helpers = [
         nb.PythonAdapter("aimnet.nbops", "mol_sum"),
@@ -71,6 +70,9 @@ def build_ours() -> dict[str, dict]:
         ).to_dict(),
         "spec_overload.json": nb.DistributionSpec(
             nb.HaloStoragePolicy(), (nb.OpAdapter("demo::conv.fast", gather_inputs=[0]),)
+        ).to_dict(),
+        "spec_sharded.json": nb.DistributionSpec(
+            nb.GraphParallelPolicy(), (nb.OpAdapter("demo::conv", gather_inputs_full=[0, 2], slice_outputs_owned=[1]),)
         ).to_dict(),
         "spec_lazy_op.json": nb.DistributionSpec(
             None, (nb.OpAdapter("cuequivariance::uniform_1d"),)
