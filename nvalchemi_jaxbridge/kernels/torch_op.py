@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -335,11 +336,10 @@ class TorchOpKernel:
         by_name = {p.name: i for i, p in enumerate(params)}
         for key, v in kwargs.items():
             if key not in by_name:
-                from ..spec.errors import did_you_mean
-
+                close = difflib.get_close_matches(key, list(by_name), n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
                 raise KernelError(
-                    f"op {self.name} has no argument {key!r}; its arguments are "
-                    f"{list(by_name)}.{did_you_mean(key, by_name)}"
+                    f"op {self.name} has no argument {key!r}; its arguments are {list(by_name)}.{hint}"
                 )
             i = by_name[key]
             if values[i] is not _MISSING:
