@@ -143,20 +143,14 @@ def periodic_energy_forces(
         block_fn: ``lj_energy_forces`` or ``dsf_energy_forces`` (or the same convention).
         cell: (3, 3) lattice vectors (rows), Å.
         periodic: three bools.
-        cutoff: the potential's cutoff, Å (must equal the one in `params`, if given there).
-        **params: scalar parameters for `block_fn` (cutoff is passed along).
+        cutoff: the potential's cutoff, Å (passed on to `block_fn`).
+        **params: the other scalar parameters of `block_fn`.
 
     Returns:
         ``fn(positions, *per_atom) -> (energy, forces (N, 3))``; `per_atom` are extra
         per-atom inputs placed between positions and owned_mask (e.g. charges).
     """
     from .reference import image_shifts  # numpy helper; static, computed once here
-
-    if "cutoff" in params:
-        raise TypeError(
-            "periodic_energy_forces: give the cutoff once, as the positional `cutoff` argument, "
-            "not again in **params."
-        )
 
     cell = np.asarray(cell, dtype=np.float64)
     periodic = tuple(bool(p) for p in periodic)
