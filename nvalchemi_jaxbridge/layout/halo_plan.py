@@ -23,50 +23,13 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping
-from typing import Literal
 
 import numpy as np
 
+from ._assemble import OnOverflow, _assemble, _pair_request, _positive_int, _readonly
+from .errors import HaloOverflowError as HaloOverflowError
 from .grid import choose_grid
 from .partition import effective_cell, partition
-
-OnOverflow = Literal["replan", "raise"]
-_INT32_MAX = np.iinfo(np.int32).max
-
-
-class HaloOverflowError(ValueError):
-    """A capacity of a `HaloPlan` is smaller than the rows the system needs.
-
-    `overflows` maps each capacity name to `(needed, reserved)`.
-    """
-
-    def __init__(self, message: str, overflows: dict[str, tuple[int, int]]):
-        super().__init__(message)
-        self.overflows = overflows
-
-
-def _readonly(a: np.ndarray) -> np.ndarray:
-    """`a`, made read-only (plans are immutable)."""
-    a.setflags(write=False)
-    return a
-
-
-def _grown(needed: int, headroom: float) -> int:
-    """Capacity for `needed` rows with relative `headroom` (never less than `needed`)."""
-    return max(needed, math.ceil(needed * headroom))
-
-
-def _parking(count: int, base: np.ndarray, spacing: float, side: int) -> np.ndarray:
-    """`count` points of a cubic lattice with `side` points per edge, `spacing` apart, from `base`."""
-    q = np.arange(count)
-    return base + spacing * np.stack([q % side, (q // side) % side, q // (side * side)], axis=1)
-
-
-def _positive_int(name: str, value: object) -> int:
-    """`value` as an int >= 1, or a ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"HaloPlan.build: {name} must be an int >= 1, got {value!r}.")
-    return int(value)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -209,10 +172,10 @@ class HaloPlan:
             ghost_capacity = _positive_int("ghost_capacity", ghost_capacity)
         pair_request = _pair_request(pair_capacities, n_devices)
         part = partition(pos, basis, periodic, grid, float(cutoff) + float(skin))
-        return _assemble(
+        return cls(**_assemble(
             pos, cell_arr, basis, periodic, tuple(grid), float(cutoff), float(skin), n_devices, float(headroom),
             part, owned_capacity, ghost_capacity, pair_request, on_overflow,
-        )
+        ))
 
     def rebuild(self, positions: np.ndarray, *, on_overflow: OnOverflow = "replan") -> HaloPlan:
         """A new plan for `positions` with the same cell, cutoff, skin and grid.
@@ -427,173 +390,3 @@ class HaloPlan:
         if self.grown:
             lines.append(f"  grown to fit: {', '.join(self.grown)}")
         return "\n".join(lines)
-
-
-def _pair_request(pair_capacities: int | Mapping[int, int] | None, n_devices: int) -> int | dict[int, int] | None:
-    """Validated `pair_capacities` argument: None, one int, or `{offset: rows}`."""
-    if pair_capacities is None:
-        return None
-    if isinstance(pair_capacities, Mapping):
-        out = {}
-        for k, v in pair_capacities.items():
-            if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k < n_devices:
-                raise ValueError(
-                    f"HaloPlan.build: pair_capacities key {k!r} is not a rank offset in [0, {n_devices}); "
-                    "keys are offsets k (device d sends to (d + k) % n_devices)."
-                )
-            out[int(k)] = _positive_int(f"pair_capacities[{k}]", v)
-        return out
-    return _positive_int("pair_capacities", pair_capacities)
-
-
-def _assemble(
-    pos: np.ndarray,
-    cell: np.ndarray,
-    basis: np.ndarray,
-    periodic: tuple[bool, bool, bool],
-    grid: tuple[int, int, int],
-    cutoff: float,
-    skin: float,
-    n_devices: int,
-    headroom: float,
-    part,
-    owned_request: int | None,
-    ghost_request: int | None,
-    pair_request: int | dict[int, int] | None,
-    on_overflow: OnOverflow,
-) -> HaloPlan:
-    """Order rows, size capacities and fill the tables of a plan from a `Partition`."""
-    n_atoms, d = len(pos), n_devices
-    owner = part.owner
-    n_owned = np.bincount(owner, minlength=d).astype(np.int64)
-    by_rank = np.argsort(owner, kind="stable")  # owned rows: ascending global id
-    starts = np.cumsum(n_owned) - n_owned
-    local_index = np.empty(n_atoms, dtype=np.int64)
-    local_index[by_rank] = np.arange(n_atoms) - starts[owner[by_rank]]
-
-    ghosts, messages = [], {}  # messages[k][receiver] = (sender's owned rows, receiver's halo rows)
-    for r in range(d):
-        atom, image = part.ghost_atom[r], part.ghost_image[r]
-        src, row = owner[atom], local_index[atom]
-        order = np.lexsort((image[:, 2], image[:, 1], image[:, 0], row, image.any(axis=1), src))
-        atom, image, src, row = atom[order], image[order], src[order], row[order]
-        ghosts.append((atom, image))
-        cuts = np.flatnonzero(np.diff(src)) + 1
-        for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(src)]):
-            if hi > lo:
-                k = int((r - src[lo]) % d)
-                messages.setdefault(k, {})[r] = (row[lo:hi], n_owned[r] + np.arange(lo, hi))
-    n_ghost = np.array([len(a) for a, _ in ghosts], dtype=np.int64)
-
-    overflows: dict[str, tuple[int, int]] = {}
-    grown: list[str] = []
-
-    def capacity(name: str, requested: int | None, needed: int, auto: int) -> int:
-        if requested is None:
-            return auto
-        if requested >= needed:
-            return requested
-        if on_overflow == "replan":
-            grown.append(name)
-            return auto
-        overflows[name] = (needed, requested)
-        return requested
-
-    max_owned, max_ghost = int(n_owned.max(initial=0)), int(n_ghost.max(initial=0))
-    oc = capacity("owned_capacity", owned_request, max(max_owned, 1), max(_grown(max_owned, headroom), 1))
-    gc = capacity("ghost_capacity", ghost_request, max_ghost + 1, _grown(max_ghost, headroom) + 1)
-    needed_pairs = {k: max(len(rows) for rows, _ in m.values()) for k, m in messages.items()}
-    if isinstance(pair_request, dict):
-        # Offsets of the requested mapping are kept; a new one is a new message (a capacity of 0 grown).
-        offsets = sorted(set(pair_request) | set(needed_pairs))
-        requested = {k: pair_request.get(k, 0) for k in offsets}
-    else:
-        offsets = sorted(needed_pairs)
-        requested = {k: pair_request for k in offsets}
-    caps = [
-        capacity(f"pair_capacities[{k}]", requested[k], needed_pairs.get(k, 0), max(_grown(needed_pairs.get(k, 0), headroom), 1))
-        for k in offsets
-    ]
-    if overflows:
-        _raise_overflow(overflows, oc, gc, dict(zip(offsets, caps)), headroom, n_owned, n_ghost)
-    hr = oc + gc
-    if hr > _INT32_MAX:
-        raise ValueError(f"HaloPlan.build: halo_rows={hr} does not fit int32 row indices; use more devices.")
-
-    owned_global = np.full((d, oc), -1, dtype=np.int64)
-    halo_global = np.full((d, hr), -1, dtype=np.int64)
-    halo_image = np.zeros((d, hr, 3), dtype=np.int64)
-    for r in range(d):
-        mine = by_rank[starts[r] : starts[r] + n_owned[r]]
-        owned_global[r, : n_owned[r]] = mine
-        halo_global[r, : n_owned[r]] = mine
-        atom, image = ghosts[r]
-        halo_global[r, n_owned[r] : n_owned[r] + len(atom)] = atom
-        halo_image[r, n_owned[r] : n_owned[r] + len(atom)] = image
-
-    send_idx, recv_slot = [], []
-    for k, cap in zip(offsets, caps):
-        send = np.full((d, cap), oc, dtype=np.int32)
-        slot = np.full((d, cap), hr, dtype=np.int32)
-        for r, (rows, slots) in messages.get(k, {}).items():
-            send[(r - k) % d, : len(rows)] = rows
-            slot[r, : len(slots)] = slots
-        send_idx.append(_readonly(send))
-        recv_slot.append(_readonly(slot))
-
-    # Parking points: a cubic lattice beyond every atom and ghost, 4 * reach apart.
-    reach = cutoff + skin
-    shift = halo_image @ basis
-    valid = halo_global >= 0
-    real = np.concatenate([pos, pos[halo_global[valid]] + shift[valid]]) if n_atoms else np.zeros((1, 3))
-    base = real.max(axis=0) + 4.0 * reach
-    side = math.ceil(round(max(hr, oc) ** (1.0 / 3.0), 9))
-    n_padded = n_owned + n_ghost
-    halo_offset = np.where(valid[..., None], shift, 0.0)
-    owned_offset = np.zeros((d, oc, 3))
-    for r in range(d):
-        halo_offset[r, n_padded[r] :] = _parking(hr - n_padded[r], base, 4.0 * reach, side)
-        owned_offset[r, n_owned[r] :] = _parking(oc - n_owned[r], base, 4.0 * reach, side)
-
-    return HaloPlan(
-        n_devices=d, n_atoms=n_atoms, cutoff=cutoff, skin=skin, cell=_readonly(cell.copy()), periodic=periodic,
-        grid=grid, owned_capacity=oc, ghost_capacity=gc, offsets=tuple(int(k) for k in offsets),
-        pair_capacities=tuple(int(c) for c in caps), n_owned=_readonly(n_owned.astype(np.int32)),
-        n_ghost=_readonly(n_ghost.astype(np.int32)), owned_global=_readonly(owned_global),
-        halo_global=_readonly(halo_global), send_idx=tuple(send_idx), recv_slot=tuple(recv_slot),
-        halo_offset=_readonly(halo_offset), owned_offset=_readonly(owned_offset),
-        reference_positions=_readonly(pos.copy()), headroom=headroom, basis=_readonly(basis),
-        halo_image=_readonly(halo_image), grown=tuple(grown),
-    )
-
-
-def _raise_overflow(
-    overflows: dict[str, tuple[int, int]],
-    oc: int,
-    gc: int,
-    pairs: dict[int, int],
-    headroom: float,
-    n_owned: np.ndarray,
-    n_ghost: np.ndarray,
-) -> None:
-    """Raise a `HaloOverflowError` that lists every short capacity and the arguments that fit."""
-    parts, fix = [], {}
-    for name, (needed, reserved) in overflows.items():
-        if name == "owned_capacity":
-            why = f"rank {int(np.argmax(n_owned))} owns {needed} atoms"
-            fix["owned_capacity"] = _grown(needed, headroom)
-        elif name == "ghost_capacity":
-            why = f"rank {int(np.argmax(n_ghost))} has {needed - 1} ghosts + 1 pad row"
-            fix["ghost_capacity"] = _grown(needed - 1, headroom) + 1
-        else:
-            k = int(name[name.index("[") + 1 : -1])
-            why = f"a rank sends {needed} rows at offset {k}"
-            pairs[k] = _grown(needed, headroom)
-            fix["pair_capacities"] = dict(pairs)
-        parts.append(f"{name} needs {needed} ({why}) but the plan reserves {reserved}")
-    args = ", ".join(f"{k}={v}" for k, v in fix.items())
-    raise HaloOverflowError(
-        "HaloPlan overflow: " + "; ".join(parts) + f". Fix: HaloPlan.build(..., {args}), or a larger headroom, "
-        "or on_overflow='replan' to grow capacities automatically (compiled programs are rebuilt).",
-        overflows,
-    )
