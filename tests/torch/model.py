@@ -29,9 +29,9 @@ def _pair_energy(pos: torch.Tensor, n_owned: int, cutoff: float) -> torch.Tensor
     """Per-row partial energies: pairs with >= 1 owned row; ghost-owned pairs split 1/4 + 1/4."""
     n = pos.shape[0]
     d = pos[:, None, :] - pos[None, :, :]
-    r2 = (d * d).sum(-1) + torch.eye(n, dtype=pos.dtype) * (4 * cutoff * cutoff)  # no self pairs
+    r2 = (d * d).sum(-1) + torch.eye(n, dtype=pos.dtype, device=pos.device) * (4 * cutoff * cutoff)  # no self
     phi = _phi(r2, cutoff)
-    owned = torch.arange(n) < n_owned
+    owned = torch.arange(n, device=pos.device) < n_owned
     both = (owned[:, None] & owned[None, :]).to(pos.dtype)
     one = (owned[:, None] ^ owned[None, :]).to(pos.dtype)
     weight = 0.5 * both + 0.25 * one  # row i's share of pair (i, j)
