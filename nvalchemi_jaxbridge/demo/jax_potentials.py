@@ -111,6 +111,11 @@ def dsf_energy_forces(
     two_a_pi = 2.0 * alpha / math.sqrt(math.pi)
     erfc_rc = math.erfc(alpha * rc)
     shift_f = erfc_rc / rc**2 + two_a_pi * math.exp(-((alpha * rc) ** 2)) / rc
+    if jnp.promote_types(charges.dtype, positions.dtype) != positions.dtype:
+        raise TypeError(
+            f"dsf_energy_forces: charges ({charges.dtype}) are wider than positions "
+            f"({positions.dtype}) and would be cut; cast one of them explicitly."
+        )
     q = charges.astype(positions.dtype)
     qq = coulomb_constant * q[:, None] * q[None, :]
     erfc_r = jax.scipy.special.erfc(alpha * r)

@@ -152,5 +152,7 @@ def test_jax_errors_name_argument_and_fix():
         jp.lj_energy_forces(jnp.zeros((4, 3)), jnp.ones(5))
     with pytest.raises(ValueError, match=r"dsf_energy_forces: charges must have shape \(4,\)"):
         jp.dsf_energy_forces(jnp.zeros((4, 3)), jnp.ones(3), jnp.ones(4))
+    with pytest.raises(TypeError, match=r"charges \(float64\) are wider than positions \(float32\)"):
+        jp.dsf_energy_forces(jnp.zeros((4, 3), jnp.float32), jnp.ones(4, jnp.float64), jnp.ones(4))
     with pytest.raises(ValueError, match="cutoff must be positive"):
         jp.lj_energy_forces(jnp.zeros((4, 3)), jnp.ones(4), cutoff=-1.0)
