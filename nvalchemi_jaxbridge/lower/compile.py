@@ -251,6 +251,11 @@ def _position_args(entries: tuple[_Entry, ...], kind: str, positions: Mapping[An
 class CompiledSpec:
     """A spec lowered for one mesh and plan. Build it with `compile`.
 
+    A `CompiledSpec` is a pytree whose leaves are its tables: pass it as an
+    argument of an outer `jax.jit` (rather than closing over it) so that a plan
+    with equal capacities reuses the outer program too. Under `jax.distributed`
+    this is required: arrays spanning other processes cannot be closed over.
+
     Attributes:
         spec, mesh, plan: what it was compiled for.
         tables: the plan's tables on the mesh (`HaloTables` or `ShardTables`).
@@ -576,6 +581,32 @@ class CompiledSpec:
                 y = jax.lax.pcast(y, self.axis, to="varying")
             return y[None]
         return C.slice_outputs_owned(o, t, self.axis)
+
+
+class _Static:
+    """A CompiledSpec's non-array parts, compared by what a traced program depends on (not the plan)."""
+
+    def __init__(self, cs: CompiledSpec):
+        self.cs = cs
+        self.key = (id(cs.spec), cs.mesh, cs.axis, cs.kind, id(cs._entries), id(cs._cache),
+                    cs.per_device_reductions)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Static) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+
+def _flatten(cs: CompiledSpec) -> tuple[tuple[Tables], _Static]:
+    return (cs.tables,), _Static(cs)
+
+
+def _unflatten(static: _Static, children: tuple[Tables]) -> CompiledSpec:
+    return dataclasses.replace(static.cs, tables=children[0])
+
+
+jax.tree_util.register_pytree_node(CompiledSpec, _flatten, _unflatten)
 
 
 # ------------------------------------------------------------------- compile

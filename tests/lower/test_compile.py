@@ -235,3 +235,44 @@ def test_scalar_outputs_need_a_reduction(mesh2):
     cs = compile(make_spec(HaloStoragePolicy(), a), mesh2, golden_halo_plan())
     with pytest.raises(ValueError, match=r"output 0 is a scalar on each device; declare AllReduceSum\(\) on output 0"):
         cs.call(a, sharded(mesh2, np.ones(6)))
+
+
+def test_compiled_spec_is_a_pytree_so_outer_jit_reuses_programs(mesh2):
+    traces = []
+
+    def kernel(x):
+        traces.append(x.shape)
+        return 2.0 * x
+
+    a = OpAdapter(kernel, gather_inputs=[0])
+    cs = compile(make_spec(HaloStoragePolicy(), a), mesh2, golden_halo_plan())
+    f = jax.jit(lambda cs, x: cs.call(a, x) + 1.0)
+    x = sharded(mesh2, 10.0 * np.arange(6) + 1)
+    np.testing.assert_array_equal(f(cs, x), 2 * halo_rows([1, 11, 21, 31], [31, 41, 51, 11, 21]) + 1)
+    n = len(traces)
+    swapped = golden_halo_plan()
+    swapped.send_idx = (np.array([[1, 3], [0, 2]], np.int32),)
+    swapped.recv_slot = (np.array([[3, 4], [3, 6]], np.int32),)
+    np.testing.assert_array_equal(f(cs.with_plan(swapped), x),
+                                  2 * halo_rows([1, 11, 21, 31, 51], [31, 41, 51, 11]) + 1)
+    assert len(traces) == n
+
+
+def test_make_mesh_errors():
+    with pytest.raises(ValueError, match=r"asked for 9 devices but only 8 are available.*jax_num_cpu_devices"):
+        make_mesh(9)
+    with pytest.raises(ValueError, match="n_devices must be a positive int, got 0"):
+        make_mesh(0)
+    assert make_mesh(3, axis_name="x").shape == {"x": 3}
+
+
+def test_storage_helpers_refuse_the_other_kind(mesh2):
+    a = OpAdapter(double, gather_inputs_full=[0])
+    plan = ShardPlan.from_assignment(np.array([0, 1, 1]), 2)
+    cs = compile(make_spec(PlainShard(), a), mesh2, plan)
+    with pytest.raises(ValueError, match=r"CompiledSpec.halo: the spec uses sharded storage \(PlainShard\)"):
+        cs.halo(np.ones(3))
+    with pytest.raises(ValueError, match=r"owned\(positions=True\): sharded storage has no image shifts"):
+        cs.owned(np.ones((3, 3)), positions=True)
+    with pytest.raises(TypeError, match="uses shard storage, so the new plan must be a ShardPlan, got SimpleNamespace"):
+        cs.with_plan(golden_halo_plan())
