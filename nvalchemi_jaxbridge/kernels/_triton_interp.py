@@ -6,6 +6,11 @@ FakeTensorMode. In interpreter mode `wrap_triton` hands back the interpreted
 kernel itself, which then tries to read fake tensors' memory and fails. A
 kernel launch only writes data, never shapes, so skipping launches whose
 arguments are fake tensors gives the same output specs as the GPU path.
+
+The interpreter also keeps per-launch state in globals (it patches
+`triton.language` for the running kernel), so two launches from two threads
+corrupt each other ("Did you forget to add @triton.jit ?"). XLA runs one
+callback per device on its own thread, so interpreted launches are serialized.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import threading
 from typing import Any
 
 _lock = threading.Lock()
+_launch_lock = threading.RLock()
 _installed = False
 
 
@@ -30,8 +36,8 @@ def _has_fake(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return any(isinstance(v, FakeTensor) for v in (*args, *kwargs.values()))
 
 
-def skip_interpreted_launches_on_fakes() -> None:
-    """Make interpreted Triton launches on fake tensors no-ops (once; real launches unchanged)."""
+def patch_interpreter() -> None:
+    """Once: interpreted launches on fake tensors become no-ops; real ones run one at a time."""
     global _installed
     if _installed or not interpreter_on():
         return
@@ -49,7 +55,8 @@ def skip_interpreted_launches_on_fakes() -> None:
         def run(self, *args, grid, warmup, **kwargs):  # type: ignore[no-untyped-def]
             if _has_fake(args, kwargs):
                 return None
-            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+            with _launch_lock:
+                return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
         InterpretedFunction.run = run  # type: ignore[method-assign]
         _installed = True

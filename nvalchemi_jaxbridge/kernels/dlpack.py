@@ -199,7 +199,10 @@ def torch_shards_to_jax(
     """Assemble per-device torch tensors into one global sharded `jax.Array` (no copy).
 
     `tensors[i]` is the block of the i-th addressable device of `sharding`, in the
-    order of `sharding.addressable_devices_indices_map(global_shape)`.
+    order of `sharding.addressable_devices_indices_map(global_shape)`. A CUDA
+    tensor must already live on its block's GPU. CPU tensors carry no device
+    index, so with several (virtual) CPU devices in one process the blocks of
+    devices other than the one DLPack lands on are copied in host memory.
     """
     devices = list(sharding.addressable_devices_indices_map(tuple(global_shape)))
     if len(tensors) != len(devices):
@@ -211,7 +214,9 @@ def torch_shards_to_jax(
     for i, (t, dev) in enumerate(zip(tensors, devices)):
         a = torch_to_jax(t, name=f"{name}[{i}]", copy=copy)
         (have,) = a.sharding.device_set
-        if have != dev:
+        if have != dev and have.platform == dev.platform == "cpu":
+            a = jax.device_put(a, dev)
+        elif have != dev:
             raise DLPackError(
                 f"{name}[{i}] lives on {have} but the sharding puts block {i} on {dev}; move it "
                 f"with .to(...) first, or reorder the list to match the sharding's devices."

@@ -449,7 +449,7 @@ class TorchOpKernel:
         """
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        _triton_interp.skip_interpreted_launches_on_fakes()
+        _triton_interp.patch_interpreter()
         device = self._fake_device()
         with FakeTensorMode():
             leaves, vals = [], list(statics)
