@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .errors import SpecError, SpecTypeError, jpath, type_name
+from .errors import SpecError, SpecTypeError, jpath, type_name, unknown
 from .frozen import FrozenDict
 from .op_ref import normalize_op, op_key, op_qualname, op_target, resolve_op
 from .status import AdapterState, AdapterStatus, capture_install_site
@@ -223,6 +223,17 @@ class OpAdapter:
     def __hash__(self) -> int:
         return hash(self._key())
 
+    def __copy__(self) -> OpAdapter:
+        return self  # immutable
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OpAdapter:
+        return self
+
+    def __reduce__(self):
+        # Live torch ops do not pickle; their name does, and equality is by name.
+        op = op_qualname(self.op) or self.op
+        return (_rebuild, (op, dict(self.arg_transforms), dict(self.output_transforms), self.install_site))
+
     def __repr__(self) -> str:
         parts = [repr(op_qualname(self.op) or self.op)]
         if self.arg_transforms:
@@ -342,8 +353,6 @@ class OpAdapter:
                 f"an op adapter must be an object with \"op\", got {type_name(d)}.", path=where
             )
         if extra := sorted(set(d) - set(_DICT_KEYS)):
-            from .errors import unknown
-
             raise SpecError(unknown("key", extra[0], _DICT_KEYS) + ".", path=jpath(where, extra[0]))
         if "op" not in d:
             raise SpecError(
@@ -375,3 +384,8 @@ class OpAdapter:
                 table[int(key)] = decode(value, kpath)
             tables.append(table)
         return cls(op, tables[0], tables[1], install_site=install_site or capture_install_site())
+
+
+def _rebuild(op: Any, args: dict[int, Any], outs: dict[int, Any], install_site: str) -> OpAdapter:
+    """Unpickle an OpAdapter (torch ops come back as lazy names)."""
+    return OpAdapter(op, args, outs, install_site=install_site)

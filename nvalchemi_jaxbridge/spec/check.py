@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .adapter import _POSITION_KEY, OpAdapter
+from .adapter import _POSITION_KEY
 from .distribution import _KEYS as _CORE_KEYS
 from .distribution import DistributionSpec
 from .errors import SpecError, jpath, type_name, unknown

@@ -111,6 +111,14 @@ def test_non_default_overload_round_trips(ops):
     assert nb.OpAdapter(conv.default).to_dict()["op"] == "demo::conv"  # default: as the reference writes it
 
 
+def test_adapters_with_live_ops_pickle_as_lazy_names(ops):
+    spread, _, _ = ops
+    a = nb.OpAdapter(spread, scatter_outputs=[0], install_site="s:1")
+    assert copy.copy(a).op is copy.deepcopy(a).op is spread.default
+    b = pickle.loads(pickle.dumps(a))
+    assert b == a and b.op == "demo::spread" and b.install_site == "s:1" and b.live_op() is spread.default
+
+
 def test_arg_transforms_read_like_a_dict_but_are_frozen():
     a = nb.OpAdapter("demo::spread", {3: nb.SliceOwned()}, gather_inputs=[0])
     assert a.arg_transforms == {0: nb.GatherInputs(), 3: nb.SliceOwned()}
