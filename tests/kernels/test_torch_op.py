@@ -12,6 +12,7 @@ import torch
 from jax.sharding import PartitionSpec as P
 
 from nvalchemi_jaxbridge.kernels import KernelError, NotDifferentiableError, TorchOpKernel, resolve_kernel
+from nvalchemi_jaxbridge.spec import OpResolutionError
 
 from . import _ops  # noqa: F401  (registers the kt:: ops)
 
@@ -175,5 +176,5 @@ def test_resolve_kernel():
     assert resolve_kernel(f) is f
     assert resolve_kernel(GAUSS) is GAUSS
     assert resolve_kernel("kt::gauss_pair").param_names == ("positions", "cutoff", "sigma")
-    with pytest.raises(Exception, match=r"kt::nope"):
+    with pytest.raises(OpResolutionError, match=r"kt::nope"):
         resolve_kernel("kt::nope")
