@@ -55,6 +55,7 @@ from .tables import HaloTables, ShardTables, Tables, device_tables, is_halo_plan
 
 _HALO_ONLY = (GatherInputs, SliceOwned, ScatterOutputs, AllReduceSum)
 _SHARD_ONLY = (GatherInputsFull, SliceOutputsOwned)
+_TORCH_OP_TYPES = ("OpOverload", "OpOverloadPacket", "CustomOpDef")
 _STATIC_TYPES = (bool, int, float, complex, str, bytes, type(None))
 
 
@@ -72,9 +73,7 @@ def jax_kernel(op: Any) -> Callable[..., Any]:
             f"op {op!r} is a lazy torch op reference: use nvalchemi_jaxbridge.compile, which knows "
             "torch kernels, or pass kernel_for= to nvalchemi_jaxbridge.lower.compile."
         )
-    if hasattr(op, "_schema") or type(op).__module__.startswith("torch") or str(
-        getattr(op, "__module__", "") or ""
-    ).startswith("torch"):
+    if hasattr(op, "_schema") or type(op).__name__ in _TORCH_OP_TYPES or _in_torch(op):
         raise TypeError(
             f"op {op} is a torch op: use nvalchemi_jaxbridge.compile, which knows torch kernels "
             "(the lower layer runs JAX callables only)."
@@ -82,6 +81,12 @@ def jax_kernel(op: Any) -> Callable[..., Any]:
     if not callable(op):
         raise TypeError(f"op {op!r} is not callable; a JAX kernel is a function of jax arrays.")
     return op
+
+
+def _in_torch(op: Any) -> bool:
+    """Whether `op` is defined in torch itself (e.g. `torch.sin`); torch is never imported here."""
+    module = str(getattr(op, "__module__", "") or "")
+    return module == "torch" or module.startswith("torch.")
 
 
 def _param_names(kernel: Callable[..., Any]) -> tuple[tuple[str, ...], bool] | None:
@@ -399,7 +404,7 @@ class CompiledSpec:
                 x, role = self._plain(e, where, leaf)
                 flat.append(x)
                 roles.append(role)
-        keys = tuple(w for w, _ in [(("a", i), 0) for i in range(len(args))] + [(("k", k), 0) for k in kwargs])
+        keys = tuple(("a", i) for i in range(len(args))) + tuple(("k", k) for k in kwargs)
         return flat, (keys, tuple(parts)), roles
 
     def _transformed(self, e: _Entry, pos: int, value: Any) -> tuple[jax.Array, tuple]:

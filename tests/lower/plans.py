@@ -119,10 +119,7 @@ def np_reverse(plan, y):
 
 
 def make_spec(policy, *adapters):
-    """A DistributionSpec (a stand-in namespace until the spec layer's lands)."""
-    try:
-        from nvalchemi_jaxbridge.spec.distribution import DistributionSpec
-    except ImportError:
-        return types.SimpleNamespace(policy=policy, custom_ops=tuple(adapters),
-                                     shard_fields=("positions", "charges", "atomic_numbers"))
+    """A DistributionSpec with `adapters` as its custom ops."""
+    from nvalchemi_jaxbridge.spec.distribution import DistributionSpec
+
     return DistributionSpec(policy=policy, custom_ops=tuple(adapters))

@@ -163,9 +163,11 @@ def test_positions_get_image_shifts_only_where_declared(mesh2):
 
 
 def test_field_shardings(mesh2):
-    spec = types.SimpleNamespace(shard_fields=("positions", "charges"))
-    got = field_shardings(spec, mesh2, extra_fields=("halo_owned_mask",))
-    assert set(got) == {"positions", "charges", "halo_owned_mask"}
+    from nvalchemi_jaxbridge.spec.distribution import DistributionSpec
+
+    got = field_shardings(DistributionSpec(policy=HaloStoragePolicy()), mesh2, extra_fields=("halo_owned_mask",))
+    assert set(got) == {"positions", "charges", "atomic_numbers", "halo_owned_mask"}
+    assert set(field_shardings(types.SimpleNamespace(shard_fields=("q",)), mesh2)) == {"q"}
     assert all(s == NamedSharding(mesh2, P(AX)) for s in got.values())
 
 
@@ -195,6 +197,10 @@ def test_torch_and_lazy_ops_need_the_kernels_layer(mesh2):
     a = OpAdapter("demo::spread", gather_inputs=[0])
     with pytest.raises(TypeError, match=r"'demo::spread' is a lazy torch op reference: use nvalchemi_jaxbridge.compile"):
         compile(make_spec(HaloStoragePolicy(), a), mesh2, golden_halo_plan())
+    torch = pytest.importorskip("torch")
+    b = OpAdapter(torch.ops.aten.mul.Tensor, gather_inputs=[0])
+    with pytest.raises(TypeError, match=r"aten.mul.Tensor is a torch op: use nvalchemi_jaxbridge.compile"):
+        compile(make_spec(HaloStoragePolicy(), b), mesh2, golden_halo_plan())
     seen = []
     cs = compile(make_spec(HaloStoragePolicy(), a), mesh2, golden_halo_plan(),
                  kernel_for=lambda op: seen.append(op) or double)
