@@ -40,6 +40,32 @@ from .spec import register_adapter_kind as register_adapter_kind
 from .spec import register_policy_kind as register_policy_kind
 from .spec import save_spec as save_spec
 
+# Runtime names load their layer (numpy, jax, torch) on first access only.
+_LAZY = {
+    "compile": "nvalchemi_jaxbridge.kernels",
+    "make_mesh": "nvalchemi_jaxbridge.lower",
+    "CompiledSpec": "nvalchemi_jaxbridge.lower",
+    "HaloPlan": "nvalchemi_jaxbridge.layout",
+    "ShardPlan": "nvalchemi_jaxbridge.layout",
+    "HaloOverflowError": "nvalchemi_jaxbridge.layout",
+    "ShardTensor": "nvalchemi_jaxbridge.torch",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'nvalchemi_jaxbridge' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 try:
     __version__ = _version("nvalchemi_jaxbridge")
 except _PackageNotFoundError:  # running from a source tree that was never installed
