@@ -193,8 +193,17 @@ def _to_global(ctx: PlanContext, t: torch.Tensor, name: str) -> jax.Array:
     return jax.make_array_from_single_device_arrays(gshape, NamedSharding(ctx.mesh, P(ctx.axis)), [a])
 
 
-def _local(out: jax.Array, name: str) -> torch.Tensor:
-    """This process's shard of a program output, as a torch tensor (no copy)."""
+def _local(out: jax.Array, name: str, keep_alive: Any = None) -> torch.Tensor:
+    """This process's shard of a program output, as a torch tensor (no copy).
+
+    On GPU the output is waited for while `keep_alive` (the program's input,
+    which aliases torch memory) is still referenced: torch's caching allocator
+    does not know XLA's stream, so freeing the input earlier could let torch
+    reuse its memory while XLA still reads it.
+    """
+    if keep_alive is not None and out.sharding.device_set and next(iter(out.sharding.device_set)).platform != "cpu":
+        out.block_until_ready()
+    del keep_alive
     return jax_to_torch(out.addressable_shards[0].data, name=name)
 
 
@@ -214,11 +223,9 @@ def run(ctx: PlanContext, prog: Program, x: torch.Tensor, rows_out: int, name: s
         ) -> torch.Tensor:
     """Run `prog` (or its VJP) on this rank's block `x`; keep the first `rows_out` rows of the result."""
     tables = ctx.tables if prog.uses_tables else None
-    if adjoint:
-        out = prog.bwd(tables, _to_global(ctx, x, name))
-    else:
-        out = prog.fwd(_to_global(ctx, x, name), tables)
-    y = _local(out, name)
+    g = _to_global(ctx, x, name)
+    out = prog.bwd(tables, g) if adjoint else prog.fwd(g, tables)
+    y = _local(out, name, keep_alive=(x, g))
     return y if y.ndim == 0 else y[:rows_out]
 
 
@@ -366,9 +373,10 @@ def _shard_step(ctx: PlanContext, prog: Program, tables: Any, in_rows: int, out_
     """A step over shard tables (which may differ from `ctx.tables` for a halo plan)."""
 
     def go(x: torch.Tensor, pad_to: int, keep: int, adjoint: bool) -> torch.Tensor:
-        g = _to_global(ctx, _pad(x, pad_to), name)
+        padded = _pad(x, pad_to)
+        g = _to_global(ctx, padded, name)
         out = prog.bwd(tables, g) if adjoint else prog.fwd(g, tables)
-        return _local(out, name)[:keep]
+        return _local(out, name, keep_alive=(padded, g))[:keep]
 
     out_cap = ctx.n_global if in_rows == ctx.owned_capacity else ctx.owned_capacity
     return Step(lambda x: go(x, in_rows, out_rows, False), lambda g: go(g, out_cap, back_rows, True))

@@ -65,7 +65,7 @@ def _check_model(ranks: list[dict], ref: tuple[float, np.ndarray]) -> None:
         rep, sym = r["replicated"], r["symmetric"]
         assert rep["layout_e_atoms"] == "halo" and rep["layout_energy"] == "replicated"
         np.testing.assert_allclose(rep["energy"], e_ref, rtol=1e-12)
-        np.testing.assert_allclose(np.array(rep["forces"]), f_ref, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(np.array(rep["forces"]), f_ref, rtol=1e-9, atol=1e-12, err_msg=f"rank {r['rank']}")
         # all_reduce_outputs (replicated_consumer=False): each rank's cotangent is a partial, so
         # seeding 1 on every rank sums to world_size (the reference semantics, golden [2,2,2,0]).
         np.testing.assert_allclose(sym["energy"], e_ref, rtol=1e-12)
