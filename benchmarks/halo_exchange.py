@@ -1,0 +1,217 @@
+"""Interconnect ceiling and halo exchange bandwidth on two devices.
+
+    PYTHONPATH=. python3 benchmarks/halo_exchange.py --out OUTDIR [--smoke]
+
+Measures, for messages of 64 KiB .. 256 MiB per direction:
+1. the ceiling: torch `copy_` from device 0 to device 1 (CUDA events);
+2. a bare jitted `ppermute` where both devices send the same bytes;
+3. our exchanges (`lower.collectives`): GatherInputs (`halo_forward`), the
+   reverse exchange (`halo_reverse`) and ScatterOutputs (`halo_scatter`, reverse
+   then forward, so twice the bytes), on synthetic `HaloTables` with one message
+   per direction of exactly the target size;
+4. small messages (<= 1 MiB) both per dispatch (one program per exchange) and
+   inside one compiled program (`lax.fori_loop` of 100 exchanges, time / 100).
+
+GB/s are per direction (bytes one device sends / time), 1 GB = 1e9 B.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import _common as cm
+import numpy as np
+
+SIZES = [64 * cm.KIB, 256 * cm.KIB, cm.MIB, 4 * cm.MIB, 16 * cm.MIB, 64 * cm.MIB, 256 * cm.MIB]
+SMOKE_SIZES = [64 * cm.KIB, 256 * cm.KIB]
+LOOP_MAX = cm.MIB  # sizes measured also inside one program
+FEATURES = 4  # float32 per row: 16-byte rows, so every size is an exact number of rows
+AXIS = "atoms"
+
+
+def synthetic_tables(mesh, rows: int):
+    """HaloTables for 2 devices: device d sends its `rows` owned rows to 1 - d, one message each way."""
+    import jax.numpy as jnp  # noqa: F401 - backend already configured
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from nvalchemi_jaxbridge.lower import HaloTables
+    from nvalchemi_jaxbridge.lower.tables import place
+
+    d, oc, gc = 2, rows, rows + 1  # one inert padding row, as in a real plan
+    hr = oc + gc
+    sh = NamedSharding(mesh, P(AXIS))
+    send = np.tile(np.arange(rows, dtype=np.int32), d)
+    recv = np.tile(oc + np.arange(rows, dtype=np.int32), d)
+    return HaloTables(
+        send_idx=(place(send, sh),), recv_slot=(place(recv, sh),),
+        halo_offset=place(np.zeros((d * hr, 3), np.float32), sh),
+        owned_offset=place(np.zeros((d * oc, 3), np.float32), sh),
+        owned_mask=place(np.ones(d * oc, bool), sh),
+        halo_owned_mask=place(np.tile(np.arange(hr) < oc, d), sh),
+        n_owned=place(np.full(d, oc, np.int32), sh), n_ghost=place(np.full(d, rows, np.int32), sh),
+        n_devices=d, owned_capacity=oc, ghost_capacity=gc, offsets=(1,), pair_capacities=(rows,),
+    )
+
+
+def programs(mesh, tables, loop: int):
+    """jitted (per-dispatch, looped) programs: ppermute, forward, reverse, scatter."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from nvalchemi_jaxbridge.lower import collectives as C
+
+    oc = tables.owned_capacity
+    ts = tables.specs(AXIS)
+    pairs = [(0, 1), (1, 0)]
+
+    def sm(f, with_tables=True):
+        specs = (ts, P(AXIS)) if with_tables else (P(AXIS),)
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=P(AXIS)))
+
+    one = {
+        "ppermute": sm(lambda x: jax.lax.ppermute(x, AXIS, pairs), with_tables=False),
+        "GatherInputs": sm(lambda t, x: C.halo_forward(x, t, AXIS)),
+        "reverse": sm(lambda t, x: C.halo_reverse(x, t, AXIS)),
+        "ScatterOutputs": sm(lambda t, x: C.halo_scatter(x, t, AXIS)),
+    }
+
+    def looped(step, with_tables=True):
+        if with_tables:
+            return sm(lambda t, x: jax.lax.fori_loop(0, loop, lambda i, c: step(t, c), x))
+        return sm(lambda x: jax.lax.fori_loop(0, loop, lambda i, c: step(None, c), x), with_tables=False)
+
+    many = {  # each iteration depends on the received rows, so no exchange can be dropped
+        "ppermute": looped(lambda t, c: jax.lax.ppermute(c, AXIS, pairs), with_tables=False),
+        "GatherInputs": looped(lambda t, c: C.halo_forward(c, t, AXIS)[oc: 2 * oc]),
+        "reverse": looped(lambda t, c: C.halo_forward(C.halo_reverse(c, t, AXIS), t, AXIS) * 0.5),
+        "ScatterOutputs": looped(lambda t, c: C.halo_scatter(c, t, AXIS) * 0.5),
+    }
+    return one, many
+
+
+def torch_copy(nbytes: int, platform: str, warmup: int, iters: int) -> tuple[float, str]:
+    """Median seconds of one device-0 -> device-1 `copy_` of `nbytes` (or a CPU memcpy on the CPU)."""
+    import torch
+
+    n = nbytes // 4
+    if platform == "cpu":
+        src, dst = torch.ones(n), torch.empty(n)
+        ts = cm.time_calls(lambda: dst.copy_(src), warmup=warmup, iters=iters, sync=lambda _: None)
+        return cm.med(ts), "CPU memcpy (wall)"
+    if torch.cuda.device_count() < 2:
+        raise RuntimeError(f"the ceiling needs 2 GPUs, torch sees {torch.cuda.device_count()}")
+    src = torch.ones(n, device="cuda:0")
+    dst = torch.empty(n, device="cuda:1")
+    with torch.cuda.device(0):  # a peer copy runs on the source device's current stream
+        for _ in range(warmup):
+            dst.copy_(src)
+        torch.cuda.synchronize(0), torch.cuda.synchronize(1)
+        ts = []
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src)
+            b.record()
+            torch.cuda.synchronize(0), torch.cuda.synchronize(1)
+            ts.append(a.elapsed_time(b) * 1e-3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return cm.med(ts), "CUDA events"
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    """Decimal GB/s."""
+    return nbytes / seconds / 1e9 if seconds == seconds and seconds > 0 else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = cm.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=None, help="timed calls per point (default 30, smoke 3)")
+    p.add_argument("--loop", type=int, default=100, help="exchanges per program in the looped measurement")
+    a = p.parse_args(argv)
+    platform = cm.setup(a.platform)
+    import jax
+
+    from nvalchemi_jaxbridge.lower import make_mesh
+
+    sizes = SMOKE_SIZES if a.smoke else SIZES
+    iters = a.iters or (3 if a.smoke else 30)
+    warmup = 1 if a.smoke else 5
+    loop = 5 if a.smoke else a.loop
+    settings = {"sizes": ", ".join(cm.human_bytes(s) for s in sizes), "rows": f"{FEATURES} x float32 (16 B)",
+                "timing": f"median of {iters} calls after {warmup} warm-up; jax: wall + block_until_ready",
+                "looped": f"lax.fori_loop of {loop} exchanges in one program, time / {loop}",
+                "GB/s": "per direction, 1e9 B/s; ScatterOutputs moves 2x the bytes (reverse + forward)"}
+    rep = cm.Report("halo_exchange", "Interconnect ceiling and halo exchange (2 devices)", a.out,
+                    cm.context(platform), settings)
+    mesh = make_mesh(2)
+    ceiling: dict[int, float] = {}
+    bare: dict[int, float] = {}
+    per_call: dict[tuple[str, int], float] = {}
+    looped: dict[tuple[str, int], float] = {}
+
+    ceil_rows = rep.table("Ceiling: torch copy_ device 0 -> device 1", ["bytes", "time (us)", "GB/s", "timing"])
+    with rep.section("torch copy ceiling"):
+        for s in sizes:
+            t, how = torch_copy(s, platform, warmup, iters)
+            ceiling[s] = t
+            rep.row(ceil_rows, [cm.human_bytes(s), cm.us(t), f"{gbps(s, t):.1f}", how])
+
+    rows = rep.table("Exchanges, one dispatched program per exchange",
+                     ["bytes/dir", "exchange", "time (us)", "GB/s per dir", "/ ceiling", "/ bare ppermute"])
+    lrows = rep.table(f"Small exchanges inside one program (fori_loop of {loop})",
+                      ["bytes/dir", "exchange", "time per exchange (us)", "per dispatch (us)", "GB/s per dir"])
+    for s in sizes:
+        with rep.section(f"exchanges at {cm.human_bytes(s)}"):
+            n_rows = s // (4 * FEATURES)
+            tables = synthetic_tables(mesh, n_rows)
+            one, many = programs(mesh, tables, loop)
+            xo = jax.device_put(np.ones((2 * n_rows, FEATURES), np.float32), jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec(AXIS)))
+            xh = jax.device_put(np.ones((2 * tables.halo_rows, FEATURES), np.float32), xo.sharding)
+            args = {"ppermute": (xo,), "GatherInputs": (tables, xo), "reverse": (tables, xh),
+                    "ScatterOutputs": (tables, xh)}
+            moved = {"ppermute": s, "GatherInputs": s, "reverse": s, "ScatterOutputs": 2 * s}
+            for name, fn in one.items():
+                t = cm.med(cm.time_jax(lambda: fn(*args[name]), warmup=warmup, iters=iters))
+                per_call[name, s] = t
+                if name == "ppermute":
+                    bare[s] = t
+                c = ceiling.get(s, float("nan"))
+                rep.row(rows, [cm.human_bytes(s), name, cm.us(t), f"{gbps(moved[name], t):.1f}",
+                               f"{gbps(moved[name], t) / gbps(s, c):.2f}" if c == c else "n/a",
+                               f"{gbps(moved[name], t) / gbps(s, bare[s]):.2f}"])
+            if s <= LOOP_MAX:
+                for name, fn in many.items():
+                    t = cm.med(cm.time_jax(lambda: fn(*args[name]), warmup=max(1, warmup // 2),
+                                           iters=max(2, iters // 3))) / loop
+                    if name == "reverse":  # the loop body is reverse + forward; report reverse's share
+                        t -= looped.get(("GatherInputs", s), 0.0)
+                    looped[name, s] = t
+                    rep.row(lrows, [cm.human_bytes(s), name, cm.us(t), cm.us(per_call[name, s]),
+                                    f"{gbps(moved[name], t):.2f}"])
+            del tables, xo, xh, one, many
+
+    with rep.section("targets"):
+        big = [s for s in sizes if s >= 16 * cm.MIB and s in ceiling and ("GatherInputs", s) in per_call]
+        if big:
+            worst = min(gbps(s, per_call["GatherInputs", s]) / gbps(s, ceiling[s]) for s in big)
+            worst_sc = min(gbps(2 * s, per_call["ScatterOutputs", s]) / gbps(s, ceiling[s]) for s in big)
+            rep.note(f"Target: exchanges >= 16 MiB reach >= 85% of the GPU-to-GPU copy bandwidth. Measured "
+                     f"(worst size): GatherInputs {worst:.0%}, ScatterOutputs {worst_sc:.0%} -> "
+                     f"{'MET' if min(worst, worst_sc) >= 0.85 else 'NOT MET'}.")
+        else:
+            rep.note("Target (>= 85% of copy bandwidth at >= 16 MiB): not measured at these sizes.")
+        small = [s for s in sizes if s <= 64 * cm.KIB and ("GatherInputs", s) in looped]
+        if small:
+            lw = max(looped[n, s] for s in small for n in ("GatherInputs", "ScatterOutputs"))
+            dw = max(per_call[n, s] for s in small for n in ("GatherInputs", "ScatterOutputs"))
+            rep.note(f"Target: exchanges <= 64 KiB take <= 30 us. Measured (worst of GatherInputs / "
+                     f"ScatterOutputs): inside one program {cm.us(lw)} us -> {'MET' if lw <= 30e-6 else 'NOT MET'}; "
+                     f"one dispatch per exchange {cm.us(dw)} us -> {'MET' if dw <= 30e-6 else 'NOT MET'}.")
+    return rep.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
