@@ -38,9 +38,59 @@ def _spec_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-_HANDLERS: dict[tuple[str, str], Callable[[argparse.Namespace], int]] = {
+def _spec_show(args: argparse.Namespace) -> int:
+    from .validate import show_spec
+
+    print(show_spec(args.file, devices=args.devices, system=args.system, cells=args.cells,
+                    structure=args.structure, op=args.op))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    import json
+
+    from . import report, simulate
+
+    config = simulate.RunConfig(
+        system=args.system, spec=args.spec, kernel=args.kernel, devices=args.devices, steps=args.steps,
+        dt=args.dt, temperature=args.temperature, langevin=args.langevin, cells=args.cells, seed=args.seed,
+        structure=args.structure, skin=args.skin, check_every=args.check_every, dtype=args.dtype,
+    )
+    bar = None
+    if not args.quiet and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=config.steps, desc="MD", unit="step", file=sys.stderr)
+    try:
+        result = simulate.run(config, progress=None if bar is None else lambda done: bar.update(done - bar.n))
+    finally:
+        if bar is not None:
+            bar.close()
+    print(report.format_run(result))
+    if args.json_report:
+        with open(args.json_report, "w") as f:
+            json.dump(result.to_dict(), f, indent=1)
+    if args.plot:
+        report.plot_run(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from .validate import validate
+
+    result = validate(args.spec, args.op, devices=args.devices, structure=args.structure, cells=args.cells,
+                      cutoff=args.cutoff, skin=args.skin, rtol=args.rtol)
+    print(result.format())
+    return 0 if result.ok else 1
+
+
+_HANDLERS: dict[tuple[str, str | None], Callable[[argparse.Namespace], int]] = {
     ("spec", "check"): _spec_check,
     ("spec", "convert"): _spec_convert,
+    ("spec", "show"): _spec_show,
+    ("run", None): _run,
+    ("validate", None): _validate,
 }
 
 
@@ -60,6 +110,48 @@ def _build_parser() -> argparse.ArgumentParser:
         "--drop-envelope", action="store_true",
         help="with --to bare: discard non-default v2 envelope keys instead of refusing",
     )
+    show = spec_cmds.add_parser("show", help="the compiled plan: mesh, partition specs, collectives and bytes")
+    show.add_argument("file", help="spec file (JSON)")
+    show.add_argument("--devices", type=int, default=None, help="devices (default 8 CPU devices, or all GPUs)")
+    show.add_argument("--system", choices=("argon", "rocksalt"), default=None,
+                      help="sample system (default: rocksalt if an op takes charges, else argon)")
+    show.add_argument("--cells", type=int, default=None, help="cubic cells per axis of the sample system")
+    show.add_argument("--structure", default=None, help="read the sample system from this file (ASE)")
+    show.add_argument("--op", default=None, help="module:attr implementing (or registering) the spec's op")
+
+    run = groups.add_parser("run", help="the demo: domain-decomposed MD from a spec file, with a parity report")
+    run.add_argument("--system", choices=("argon", "rocksalt"), default="argon",
+                     help="argon FCC (Lennard-Jones) or NaCl rock salt (DSF Coulomb, charged)")
+    run.add_argument("--spec", default=None, help="spec file (default: examples/specs/ file for system and kernel)")
+    run.add_argument("--kernel", choices=("torch", "triton", "jax"), default=None,
+                     help="torch custom op (default), Triton op, or the JAX potential; picks the default spec")
+    run.add_argument("--devices", type=int, default=None, help="devices (default 8 virtual CPU devices, or all GPUs)")
+    run.add_argument("--steps", type=int, default=100, help="MD steps (default 100)")
+    run.add_argument("--dt", type=float, default=None, help="time step in fs (default 5 argon, 2 rock salt)")
+    run.add_argument("--temperature", type=float, default=None, help="initial (and bath) temperature, K")
+    run.add_argument("--langevin", type=float, default=None, metavar="FRICTION",
+                     help="Langevin (BAOAB) thermostat with this friction in 1/fs (default: NVE)")
+    run.add_argument("--cells", type=int, default=None, help="cubic cells per axis (default 4 argon, 2 rock salt)")
+    run.add_argument("--seed", type=int, default=0, help="velocity and noise seed")
+    run.add_argument("--structure", default=None, help="read the system from an extended XYZ / ASE file")
+    run.add_argument("--skin", type=float, default=1.0, help="Verlet skin of the halo plan, Å (default 1.0)")
+    run.add_argument("--check-every", type=int, default=10, help="steps between host rebuild checks (default 10)")
+    run.add_argument("--dtype", choices=("float32", "float64"), default=None,
+                     help="default float64 on the CPU, float32 on GPUs")
+    run.add_argument("--json-report", default=None, metavar="PATH", help="write the report as JSON")
+    run.add_argument("--plot", default=None, metavar="PNG", help="energy vs step and atoms per device (matplotlib)")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    val = groups.add_parser("validate", help="single-device vs distributed parity of an op under a spec")
+    val.add_argument("spec", help="spec file (JSON)")
+    val.add_argument("--op", required=True,
+                     help="module:attr: a torch op, a JAX callable, or an attribute of a module that registers the op")
+    val.add_argument("--devices", type=int, default=None, help="devices (default 8 CPU devices, or all GPUs)")
+    val.add_argument("--structure", default=None, help="sample system from this file (default: generated)")
+    val.add_argument("--cells", type=int, default=None, help="cubic cells per axis of the generated sample")
+    val.add_argument("--cutoff", type=float, default=None, help="interaction cutoff, Å (default: the op's 'cutoff')")
+    val.add_argument("--skin", type=float, default=0.0, help="extra ghost width beyond the cutoff, Å")
+    val.add_argument("--rtol", type=float, default=1e-8, help="tolerance on max|diff| / max|single-device|")
     return parser
 
 
@@ -67,10 +159,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 ok, 1 problems found, 2 usage errors)."""
     args = _build_parser().parse_args(argv)
     try:
-        return _HANDLERS[(args.group, args.command)](args)
+        return _HANDLERS[(args.group, getattr(args, "command", None))](args)
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except _user_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that a user's input causes: reported in one line, no traceback."""
+    from .spec import SpecError
+
+    return (ValueError, KeyError, ImportError, SpecError)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,229 @@
+"""What a compiled adapter moves between devices, and the text / plot of a run report.
+
+`collectives(cs, target, *args)` derives, from the plan's tables and the
+argument and output shapes, every collective an adapter call issues (the
+transform semantics of docs/design.md): GatherInputs is one forward exchange
+(one `ppermute` per non-zero rank offset), ScatterOutputs a reverse and a
+forward exchange, AllReduceSum one `psum`, GatherInputsFull one `all_gather`;
+the slicing transforms are local. `hlo_collectives` counts the same ops in the
+compiled program, so the two can be checked against each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One transform's communication in one adapter call.
+
+    Attributes:
+        adapter: the adapter's target name.
+        slot: "argument i" or "output i".
+        transform: the transform's class name.
+        op: "ppermute", "psum", "all_gather" or "local".
+        count: collective ops issued (e.g. one ppermute per rank offset).
+        rows: true rows moved between devices, all devices together.
+        padded_rows: rows moved with the static message capacities.
+        row_bytes: bytes of one row (for psum: of one device's whole value).
+    """
+
+    adapter: str
+    slot: str
+    transform: str
+    op: str
+    count: int
+    rows: int
+    padded_rows: int
+    row_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        """True bytes moved."""
+        return self.rows * self.row_bytes
+
+    @property
+    def padded_bytes(self) -> int:
+        """Bytes moved including capacity padding (what the program actually sends)."""
+        return self.padded_rows * self.row_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """Fields plus bytes, for JSON."""
+        return {**dataclasses.asdict(self), "bytes": self.bytes, "padded_bytes": self.padded_bytes}
+
+
+def _row_bytes(shape: tuple[int, ...], dtype: Any) -> int:
+    """Bytes of one row of an array of `shape` (the whole array when it is a scalar)."""
+    return int(math.prod(shape[1:]) if len(shape) else 1) * np.dtype(dtype).itemsize
+
+
+def _halo_messages(plan: Any) -> tuple[int, int, int]:
+    """(ppermutes, true rows, padded rows) of one forward exchange; offset 0 stays on the device."""
+    count = rows = padded = 0
+    for k, send, cap in zip(plan.offsets, plan.send_idx, plan.pair_capacities):
+        if k % plan.n_devices == 0:
+            continue
+        count += 1
+        rows += int((np.asarray(send) < plan.owned_capacity).sum())
+        padded += plan.n_devices * int(cap)
+    return count, rows, padded
+
+
+def collectives(cs: Any, target: Any, *args: Any) -> list[Collective]:
+    """Every collective of one `cs.call(target, *args)`, with rows and bytes.
+
+    Args:
+        cs: a `CompiledSpec`.
+        target: the adapter (or its op or target name).
+        *args: the call's arguments (arrays give the row sizes; Python scalars are constants).
+
+    Returns:
+        One `Collective` per transform of the adapter, arguments first, in position order.
+    """
+    import jax
+
+    from .lower.compile import _find
+    from .spec.transforms import AllReduceSum, GatherInputs, GatherInputsFull, ScatterOutputs
+
+    e = _find(cs._entries, target, "collectives")
+    arrays = {i: a for i, a in enumerate(args) if hasattr(a, "shape") and hasattr(a, "dtype")}
+
+    def call(cs_: Any, *arrs: Any) -> Any:
+        full = list(args)
+        for i, a in zip(arrays, arrs):
+            full[i] = a
+        return cs_.call(target, *full)
+
+    outs = jax.eval_shape(call, cs, *arrays.values())
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    plan, d = cs.plan, cs.tables.n_devices
+    result = []
+
+    def add(slot: str, tr: Any, shape: tuple[int, ...], dtype: Any) -> None:
+        rb = _row_bytes(shape, dtype)
+        name = type(tr).__name__
+        if isinstance(tr, GatherInputs) or isinstance(tr, ScatterOutputs):
+            count, rows, padded = _halo_messages(plan)
+            times = 2 if isinstance(tr, ScatterOutputs) else 1
+            result.append(Collective(e.name, slot, name, "ppermute", times * count, times * rows, times * padded, rb))
+        elif isinstance(tr, AllReduceSum):
+            result.append(Collective(e.name, slot, name, "psum", 1, d, d, _row_bytes((1, *shape), dtype)))
+        elif isinstance(tr, GatherInputsFull):
+            n = int(np.asarray(plan.n_owned).sum())
+            oc = cs.tables.owned_capacity
+            result.append(Collective(e.name, slot, name, "all_gather", 1, (d - 1) * n, d * (d - 1) * oc, rb))
+        else:
+            result.append(Collective(e.name, slot, name, "local", 0, 0, 0, rb))
+
+    for pos, tr in sorted(e.args.items()):
+        a = args[pos] if pos < len(args) else None
+        if a is not None and hasattr(a, "shape"):
+            add(f"argument {pos}", tr, tuple(a.shape), a.dtype)
+    for pos, tr in sorted(e.outs.items()):
+        if pos < len(outs):
+            add(f"output {pos}", tr, tuple(outs[pos].shape), outs[pos].dtype)
+    return result
+
+
+_HLO_OPS = {"ppermute": "collective-permute", "psum": "all-reduce", "all_gather": "all-gather"}
+
+
+def hlo_collectives(hlo_text: str) -> dict[str, int]:
+    """Count collective ops in compiled HLO text: {"ppermute": n, "psum": n, "all_gather": n}."""
+    counts = {}
+    for ours, hlo in _HLO_OPS.items():
+        counts[ours] = len(re.findall(rf"= \S+ {hlo}(?:-start)?\(", hlo_text))
+    return counts
+
+
+# ------------------------------------------------------------------ text
+
+
+def _fmt_bytes(n: float) -> str:
+    """Bytes with a binary unit."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def format_collectives(items: list[Collective]) -> list[str]:
+    """One line per collective."""
+    lines = []
+    for c in items:
+        if c.op == "local":
+            lines.append(f"    {c.slot:<10} {c.transform:<18} local (no communication)")
+        else:
+            lines.append(
+                f"    {c.slot:<10} {c.transform:<18} {c.count} x {c.op:<10} {c.rows} rows, {_fmt_bytes(c.bytes)} "
+                f"({_fmt_bytes(c.padded_bytes)} with capacity padding)")
+    return lines
+
+
+def format_run(report: Any) -> str:
+    """The human report of `simulate.run`."""
+    r = report
+    owned = np.asarray(r.owned_per_device)
+    lines = [
+        "nvalchemi-jaxbridge run: report",
+        f"  system       {r.system}: {r.n_atoms} atoms, {r.potential}",
+        f"  spec         {r.spec}  (op {r.op}, kernel {r.kernel})",
+        f"  devices      {r.n_devices} x {r.platform}, domain grid {r.grid}, {r.dtype}",
+        f"  dynamics     {r.steps} steps of {r.dt:g} fs, {r.thermostat}",
+        f"  time         {1e3 * r.time_per_step_s:.2f} ms/step (first step with compile: {r.compile_s:.1f} s; "
+        f"wall {r.wall_s:.1f} s)",
+        f"  energy       E0 = {r.energy_per_atom[0]:.6f} eV/atom; drift max|E(t)-E(0)|/N = "
+        f"{r.drift_max_per_atom:.3e} eV/atom, fit slope {r.drift_slope_per_atom_ps:.3e} eV/atom/ps",
+        f"  parity       step 1 vs {r.parity_reference}:",
+        f"               forces max abs {r.parity_force_max_abs:.3e} eV/Å, max rel {r.parity_force_max_rel:.3e}; "
+        f"energy rel {r.parity_energy_rel:.3e}",
+        f"  halo         {r.halo_ghost_rows} ghost rows; per step {r.halo_rows_per_step} rows / "
+        f"{_fmt_bytes(r.halo_bytes_per_step)} between devices ({_fmt_bytes(r.halo_padded_bytes_per_step)} with padding)",
+    ]
+    for c in r.collectives:
+        c = Collective(**{k: v for k, v in c.items() if k not in ("bytes", "padded_bytes")})
+        lines.extend(format_collectives([c]))
+    lines += [
+        f"  balance      owned atoms per device {owned.tolist()}: min {owned.min()}, max {owned.max()}, "
+        f"imbalance {100 * r.load_imbalance:.1f}% (max/mean - 1)",
+        f"               ghosts per device {list(r.ghosts_per_device)}",
+        f"  rebuilds     {len(r.rebuilds)} (at steps {list(r.rebuilds)[:10]}{' ...' if len(r.rebuilds) > 10 else ''}); "
+        f"all atoms accounted for after each"
+        + (f"; criterion exceeded before the check at {list(r.late_rebuilds)}" if r.late_rebuilds else "")
+        + (f"; capacities grown: {', '.join(r.grown)}" if r.grown else ""),
+        f"  temperature  final {r.final_temperature:.1f} K",
+    ]
+    return "\n".join(lines)
+
+
+def plot_run(report: Any, path: str) -> None:
+    """Energy per atom vs step and owned atoms per device, as a PNG (matplotlib, Agg)."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError("--plot needs matplotlib: pip install matplotlib") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    e = np.asarray(report.energy_per_atom)
+    a.plot(np.arange(e.size), e - e[0])
+    for s in report.rebuilds:
+        a.axvline(s, color="0.85", lw=0.8, zorder=0)
+    a.set_xlabel("step")
+    a.set_ylabel("E(t) - E(0)  [eV/atom]")
+    a.set_title(f"total energy ({report.n_atoms} atoms, {report.n_devices} devices)")
+    b.bar(np.arange(report.n_devices), report.owned_per_device)
+    b.set_xlabel("device")
+    b.set_ylabel("owned atoms")
+    b.set_title(f"load balance (imbalance {100 * report.load_imbalance:.1f}%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

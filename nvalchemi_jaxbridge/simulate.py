@@ -1,0 +1,542 @@
+"""The demo MD job behind `nvalchemi-jaxbridge run`: system -> HaloPlan -> compiled step -> loop -> report.
+
+One MD step is one compiled program: `jax.jit` over the `CompiledSpec` (a
+pytree, so a rebuilt plan with equal capacities reuses the program) and the
+state in owned storage. Inside: the force call through `CompiledSpec.call`
+(GatherInputs on positions, the kernel on every device's halo block,
+ScatterOutputs on forces, AllReduceSum on the energy), then the velocity Verlet
+(or BAOAB) update on owned rows. Every `check_every` steps the host checks the
+plan's displacement criterion; a rebuild wraps positions into the cell, builds
+the new plan, carries velocities and forces across through global-ID order and
+asserts that every atom is still owned exactly once.
+
+Call `configure_jax` before anything else touches JAX (the CLI does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+SYSTEMS = ("argon", "rocksalt")
+KERNELS = ("torch", "triton", "jax")
+_SPEC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "specs")
+DEFAULT_SPECS = {
+    ("argon", "torch"): "lj_argon.json", ("argon", "triton"): "lj_argon_triton.json",
+    ("argon", "jax"): "lj_argon.json",
+    ("rocksalt", "torch"): "dsf_rocksalt.json", ("rocksalt", "triton"): "dsf_rocksalt_triton.json",
+    ("rocksalt", "jax"): "dsf_rocksalt.json",
+}
+#: Per-system defaults: cubic cells, time step (fs), temperature (K).
+SYSTEM_DEFAULTS = {"argon": (4, 5.0, 40.0), "rocksalt": (2, 2.0, 300.0)}
+
+
+class AtomLossError(RuntimeError):
+    """A plan rebuild lost, duplicated or moved an atom (a bug: never expected)."""
+
+
+# ------------------------------------------------------------------ config
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What `run` simulates. `None` fields take the per-system defaults (`SYSTEM_DEFAULTS`).
+
+    Attributes:
+        system: "argon" (Lennard-Jones) or "rocksalt" (DSF Coulomb + Born-Mayer, charged).
+        spec: spec file (default: `examples/specs/` file for the system and kernel).
+        kernel: "torch", "triton" or "jax"; only with the default spec (a given spec names its op).
+        devices: devices to spread atoms over (default 8 on the CPU, all GPUs otherwise).
+        steps, dt, temperature: MD steps, time step (fs), initial temperature (K).
+        langevin: BAOAB friction (1/fs); None runs NVE velocity Verlet.
+        cells: cubic cells per axis of the generated system.
+        seed: velocities and Langevin noise.
+        structure: read this file (ASE) instead of generating the system.
+        skin: Verlet skin of the halo plan (Å).
+        check_every: host rebuild check interval (steps).
+        dtype: "float64" or "float32" (default: float64 on the CPU, float32 on GPUs).
+    """
+
+    system: str = "argon"
+    spec: str | None = None
+    kernel: str | None = None
+    devices: int | None = None
+    steps: int = 100
+    dt: float | None = None
+    temperature: float | None = None
+    langevin: float | None = None
+    cells: int | None = None
+    seed: int = 0
+    structure: str | None = None
+    skin: float = 1.0
+    check_every: int = 10
+    dtype: str | None = None
+
+    def __post_init__(self):
+        if self.system not in SYSTEMS:
+            raise ValueError(f"run: system must be one of {SYSTEMS}, got {self.system!r}.")
+        if self.kernel is not None and self.kernel not in KERNELS:
+            raise ValueError(f"run: kernel must be one of {KERNELS}, got {self.kernel!r}.")
+        if self.spec is not None and self.kernel in ("torch", "triton"):
+            raise ValueError(
+                f"run: --kernel {self.kernel} picks the default spec file, but --spec {self.spec} was given "
+                "and names its own op; drop --kernel (or use --kernel jax to run the JAX potential with "
+                "the spec's transforms)."
+            )
+        for name in ("steps", "check_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"run: {name} must be a positive int, got {v!r}.")
+        for name in ("dt", "temperature", "langevin", "skin"):
+            v = getattr(self, name)
+            if v is not None and not (np.isfinite(v) and v >= 0 and (v > 0 or name in ("temperature", "skin"))):
+                raise ValueError(f"run: {name} must be a finite number {'>= 0' if name in ('temperature', 'skin') else '> 0'}, got {v!r}.")
+        if self.cells is not None and (not isinstance(self.cells, int) or self.cells < 1):
+            raise ValueError(f"run: cells must be a positive int, got {self.cells!r}.")
+        if self.dtype not in (None, "float32", "float64"):
+            raise ValueError(f"run: dtype must be 'float32' or 'float64', got {self.dtype!r}.")
+
+    def spec_path(self) -> str:
+        """The spec file this run uses."""
+        if self.spec is not None:
+            return self.spec
+        return os.path.join(_SPEC_DIR, DEFAULT_SPECS[(self.system, self.kernel or "torch")])
+
+
+# ------------------------------------------------------------------ JAX setup
+
+
+def configure_jax(n_devices: int | None = None, *, dtype: str | None = None) -> tuple[list[Any], str]:
+    """Start JAX with `n_devices` devices: virtual CPU devices, or real GPUs when present.
+
+    Must run before JAX is first used: it sets `jax_num_cpu_devices` (CPU) and
+    `XLA_PYTHON_CLIENT_PREALLOCATE=false` (GPU). If JAX has already started
+    (e.g. under pytest) the existing devices are used when there are enough.
+
+    Args:
+        n_devices: devices wanted (default 8 on the CPU, all GPUs otherwise).
+        dtype: "float32" or "float64" (default float64 on the CPU, float32 on GPUs);
+            float64 turns on `jax_enable_x64`.
+
+    Returns:
+        (the devices, the dtype name).
+
+    Raises:
+        ValueError: fewer devices than asked for.
+    """
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+
+    if n_devices is not None and (isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1):
+        raise ValueError(f"--devices must be a positive int, got {n_devices!r}.")
+    started = False
+    try:
+        jax.config.update("jax_num_cpu_devices", n_devices or 8)
+    except RuntimeError:
+        started = True  # backends already initialised: use what is there
+    devices = jax.devices()
+    platform = devices[0].platform
+    n = n_devices or (8 if platform == "cpu" else len(devices))
+    if n > len(devices):
+        how = (
+            "JAX had already started in this process; start a fresh process, or set "
+            f"jax.config.update('jax_num_cpu_devices', {n}) before using JAX"
+            if started and platform == "cpu" else f"ask for --devices {len(devices)} or fewer"
+        )
+        raise ValueError(f"asked for {n} devices but JAX has {len(devices)} {platform} device(s); {how}.")
+    dtype = dtype or ("float64" if platform == "cpu" else "float32")
+    if dtype == "float64":
+        jax.config.update("jax_enable_x64", True)
+    if platform == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton on CPU tensors (before Triton imports)
+    return devices[:n], dtype
+
+
+# ------------------------------------------------------------------ physics
+
+
+@dataclasses.dataclass(frozen=True)
+class Potential:
+    """A demo potential: its parameters, JAX block function and numpy reference."""
+
+    name: str
+    params: Any
+    charged: bool
+
+    def scalars(self) -> tuple[float, ...]:
+        """The op's scalar arguments after the block arrays."""
+        return self.params.args()
+
+    def jax_block(self) -> Callable[..., Any]:
+        """The JAX block function of the same convention as the torch op."""
+        from .demo import jax_potentials
+
+        return jax_potentials.dsf_energy_forces if self.charged else jax_potentials.lj_energy_forces
+
+    def reference(self, positions: np.ndarray, charges: np.ndarray | None, system: Any) -> tuple[float, np.ndarray]:
+        """Energy and forces of the whole periodic system by the independent numpy reference."""
+        from .demo import reference as ref
+
+        p = dataclasses.asdict(self.params)
+        if self.charged:
+            return ref.dsf_reference(positions, charges, system.cell, system.periodic, **p)
+        return ref.lj_reference(positions, system.cell, system.periodic, **p)
+
+
+def potential_for(system: str) -> Potential:
+    """The demo potential of a system name."""
+    from .demo.params import DSFParams, LJParams
+
+    if system == "argon":
+        return Potential("Lennard-Jones (argon)", LJParams(), charged=False)
+    return Potential("DSF Coulomb + Born-Mayer (rock salt)", DSFParams(), charged=True)
+
+
+def make_system(config: RunConfig) -> Any:
+    """The generated (or read) system with velocities, positions wrapped into the cell."""
+    from .demo import systems
+
+    cells, _, temperature = SYSTEM_DEFAULTS[config.system]
+    temperature = config.temperature if config.temperature is not None else temperature
+    if config.structure is not None:
+        sys_ = systems.read_structure(config.structure)
+        if config.system == "rocksalt" and sys_.charges is None:
+            raise ValueError(
+                f"run: --system rocksalt uses a charged potential but {config.structure} has no charges; "
+                "add initial charges to the file, or use --system argon."
+            )
+        if not all(sys_.periodic):
+            raise ValueError(
+                f"run: {config.structure} is not periodic along every axis (pbc={sys_.periodic}); the demo "
+                "needs a fully periodic cell (add Lattice=... and pbc=\"T T T\")."
+            )
+    else:
+        make = systems.argon_fcc if config.system == "argon" else systems.rock_salt
+        sys_ = make(config.cells or cells)
+    if sys_.velocities is None or config.temperature is not None:
+        sys_ = sys_.with_temperature(temperature, seed=config.seed)
+    return sys_.replace(positions=wrap(sys_.positions, sys_.cell, sys_.periodic))
+
+
+def wrap(positions: np.ndarray, cell: np.ndarray, periodic: tuple[bool, bool, bool]) -> np.ndarray:
+    """Positions moved into the cell along periodic lattice directions."""
+    frac = np.asarray(positions, dtype=np.float64) @ np.linalg.inv(cell)
+    per = np.array(periodic)
+    frac[:, per] -= np.floor(frac[:, per])
+    return frac @ cell
+
+
+# ------------------------------------------------------------------ report
+
+
+@dataclasses.dataclass(frozen=True)
+class RunReport:
+    """What a run measured. `to_dict()` is the `--json-report` content."""
+
+    system: str
+    potential: str
+    spec: str
+    op: str
+    kernel: str
+    n_atoms: int
+    n_devices: int
+    platform: str
+    dtype: str
+    grid: tuple[int, int, int]
+    steps: int
+    dt: float
+    thermostat: str
+    compile_s: float
+    time_per_step_s: float
+    wall_s: float
+    energy_per_atom: tuple[float, ...]
+    drift_max_per_atom: float
+    drift_slope_per_atom_ps: float
+    parity_energy_rel: float
+    parity_force_max_abs: float
+    parity_force_max_rel: float
+    parity_reference: str
+    halo_ghost_rows: int
+    halo_rows_per_step: int
+    halo_bytes_per_step: int
+    halo_padded_bytes_per_step: int
+    collectives: tuple[dict[str, Any], ...]
+    owned_per_device: tuple[int, ...]
+    ghosts_per_device: tuple[int, ...]
+    rebuilds: tuple[int, ...]
+    late_rebuilds: tuple[int, ...]
+    grown: tuple[str, ...]
+    final_temperature: float
+
+    @property
+    def load_imbalance(self) -> float:
+        """max / mean - 1 of owned atoms per device (0 = perfectly balanced)."""
+        owned = np.asarray(self.owned_per_device, dtype=float)
+        return float(owned.max() / owned.mean() - 1.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field plus the load balance summary."""
+        d = dataclasses.asdict(self)
+        d["load_imbalance"] = self.load_imbalance
+        d["owned_min"], d["owned_max"] = min(self.owned_per_device), max(self.owned_per_device)
+        return d
+
+
+def energy_drift(total_energy: np.ndarray, n_atoms: int, dt_fs: float) -> tuple[float, float]:
+    """(max |E(t) - E(0)| / N, |slope| of a linear fit of E(t)/N in eV/ps)."""
+    e = np.asarray(total_energy, dtype=np.float64) / n_atoms
+    drift = float(np.max(np.abs(e - e[0]))) if e.size else 0.0
+    if e.size < 2:
+        return drift, 0.0
+    t_ps = np.arange(e.size) * dt_fs * 1e-3
+    return drift, float(abs(np.polyfit(t_ps, e, 1)[0]))
+
+
+# ------------------------------------------------------------------ the job
+
+
+@dataclasses.dataclass
+class _Loop:
+    """Host-side state of the loop (the compiled spec and per-atom constants change at rebuilds)."""
+
+    cs: Any
+    layout: Any
+    state: Any
+
+
+def run(config: RunConfig, *, progress: Callable[[int], Any] | None = None) -> RunReport:
+    """Run the MD job and measure it (call `configure_jax` first).
+
+    Args:
+        config: what to simulate.
+        progress: called with the number of steps done after each step (e.g. a tqdm update).
+
+    Returns:
+        The `RunReport`.
+
+    Raises:
+        AtomLossError: a rebuild lost an atom (never expected).
+        ValueError: bad configuration (the message names the option).
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from .demo import md
+    from .demo.units import KB_EV, MVV2E
+    from .kernels import compile as kcompile
+    from .layout import HaloPlan
+    from .lower import make_mesh
+    from .report import collectives
+    from .spec import DistributionSpec, OpAdapter, load_spec
+
+    t_start = time.perf_counter()
+    devices, dtype_name = configure_jax(config.devices, dtype=config.dtype)
+    dtype = np.dtype(dtype_name)
+    n_dev = len(devices)
+    pot = potential_for(config.system)
+    _, dt_default, _ = SYSTEM_DEFAULTS[config.system]
+    dt = float(config.dt if config.dt is not None else dt_default)
+    sys_ = make_system(config)
+    n = sys_.n_atoms
+
+    spec_path = config.spec_path()
+    spec = load_spec(spec_path).distribution
+    if len(spec.custom_ops) != 1:
+        raise ValueError(
+            f"run: {spec_path} declares {len(spec.custom_ops)} op adapters; the MD job runs one force op "
+            "(positions[, charges], owned_mask, scalars) -> (energy, forces)."
+        )
+    adapter = spec.custom_ops[0]
+    if config.kernel == "jax":
+        adapter = OpAdapter(pot.jax_block(), dict(adapter.arg_transforms), dict(adapter.output_transforms))
+        spec = DistributionSpec(policy=spec.policy, custom_ops=(adapter,))
+        op_name = f"{pot.jax_block().__module__}.{pot.jax_block().__name__}"
+    else:
+        from .demo import torch_ops  # noqa: F401  registers the jaxbridge_demo:: ops
+
+        op_name = str(adapter.op)
+
+    cutoff = float(pot.params.cutoff)
+    plan = HaloPlan.build(sys_.positions, sys_.cell, periodic=sys_.periodic, cutoff=cutoff,
+                          skin=config.skin, n_devices=n_dev)
+    cs = kcompile(spec, make_mesh(n_dev, devices=devices), plan, positions={adapter: [0]})
+    scalars = pot.scalars()
+    charged = pot.charged
+    friction = config.langevin
+    bath_t = float(config.temperature if config.temperature is not None else SYSTEM_DEFAULTS[config.system][2])
+
+    def layout(cs: Any) -> dict[str, Any]:
+        lay = {
+            "masses": cs.owned(sys_.masses.astype(dtype)),
+            "inv_mass": cs.owned((1.0 / (MVV2E * sys_.masses)).astype(dtype)),
+            "ids": cs.owned(np.arange(n, dtype=np.int32)),
+            "mask": cs.owned(np.ones(n, dtype=bool)),
+        }
+        if charged:
+            lay["charges"] = cs.owned(sys_.charges.astype(dtype))
+        return lay
+
+    def owned_rows(cs: Any, halo: Any) -> Any:
+        oc = cs.tables.owned_capacity
+        spec = P(cs.axis)
+        return jax.shard_map(lambda b: b[:oc], mesh=cs.mesh, in_specs=spec, out_specs=spec)(halo)
+
+    def forces(cs: Any, x: Any, lay: dict[str, Any]) -> tuple[Any, Any]:
+        extra = (lay["charges"],) if charged else ()
+        energy, f_halo = cs.call(adapter, x, *extra, cs.halo_owned_mask(), *scalars)
+        return energy, owned_rows(cs, f_halo)
+
+    def step(cs: Any, state: md.MDState, lay: dict[str, Any], key: Any) -> tuple[md.MDState, Any]:
+        inv_m = lay["inv_mass"][:, None]
+        v = state.velocities + 0.5 * dt * state.forces * inv_m
+        if friction is None:
+            x = state.positions + dt * v
+        else:  # BAOAB; noise drawn in global-ID order, so it does not depend on the layout
+            x = state.positions + 0.5 * dt * v
+            c1 = jnp.exp(-friction * dt)
+            sigma = jnp.sqrt(KB_EV * bath_t * inv_m)
+            noise = jax.random.normal(key, (n, 3), dtype=v.dtype)[lay["ids"]]
+            noise = jnp.where(lay["mask"][:, None], noise, jnp.zeros((), v.dtype))
+            v = c1 * v + jnp.sqrt(1.0 - c1 * c1) * sigma * noise
+            x = x + 0.5 * dt * v
+        energy, f = forces(cs, x, lay)
+        v = v + 0.5 * dt * f * inv_m
+        kinetic = 0.5 * MVV2E * jnp.sum(lay["masses"][:, None] * v * v)
+        return md.MDState(x, v, f, energy), jnp.stack([energy, kinetic])
+
+    step_fn = jax.jit(step)
+    init_fn = jax.jit(forces)
+
+    def place(cs: Any, pos: np.ndarray, vel: np.ndarray, frc: np.ndarray | None, lay: dict[str, Any]) -> md.MDState:
+        x = cs.owned(pos.astype(dtype), positions=True)
+        v = cs.owned(vel.astype(dtype))
+        if frc is None:
+            energy, f = init_fn(cs, x, lay)
+        else:
+            energy, f = jnp.zeros((), dtype), cs.owned(frc.astype(dtype))
+        return md.MDState(x, v, f, energy)
+
+    lay = layout(cs)
+    t0 = time.perf_counter()
+    state = place(cs, sys_.positions, sys_.velocities, None, lay)
+    e0 = float(state.energy) + float(0.5 * MVV2E * np.sum(sys_.masses[:, None] * sys_.velocities**2))
+    loop = _Loop(cs, lay, state)
+    key = jax.random.key(config.seed)
+    energies: list[Any] = []
+    rebuilds: list[int] = []
+    late: list[int] = []
+    grown: list[str] = []
+    parity = None
+    t_first = None
+    for i in range(config.steps):
+        loop.state, en = step_fn(loop.cs, loop.state, loop.layout, jax.random.fold_in(key, i))
+        energies.append(en)
+        if i == 0:
+            jax.block_until_ready(loop.state)
+            t_first = time.perf_counter()
+            parity = _parity(loop.cs, loop.state, pot, sys_, float(en[0]))
+        if (i + 1) % config.check_every == 0 and i + 1 < config.steps:
+            loop = _check_and_rebuild(loop, i + 1, config, sys_, layout, place, rebuilds, late, grown)
+        if progress is not None:
+            progress(i + 1)
+    jax.block_until_ready(loop.state)
+    t_end = time.perf_counter()
+
+    e = np.asarray(jnp.stack(energies)) if energies else np.zeros((0, 2))
+    total = np.concatenate([[e0], e.sum(axis=1)])
+    drift, slope = energy_drift(total, n, dt)
+    per_step = (t_end - t_first) / (config.steps - 1) if config.steps > 1 else t_end - t0
+    vel = loop.cs.to_global(loop.state.velocities)
+    final_t = float(md.temperature(jnp.asarray(vel), jnp.asarray(sys_.masses)))
+    plan = loop.cs.plan
+    x_sample = loop.state.positions
+    call_args = (x_sample, *((loop.layout["charges"],) if charged else ()), loop.cs.halo_owned_mask(), *scalars)
+    coll = collectives(loop.cs, adapter, *call_args)
+    return RunReport(
+        system=config.system, potential=pot.name, spec=spec_path, op=op_name,
+        kernel=config.kernel or ("jax" if not isinstance(adapter.op, str) and not hasattr(adapter.op, "_schema") else "torch"),
+        n_atoms=n, n_devices=n_dev, platform=devices[0].platform, dtype=dtype_name, grid=tuple(plan.grid),
+        steps=config.steps, dt=dt,
+        thermostat="NVE (velocity Verlet)" if friction is None else f"Langevin BAOAB, friction {friction:g}/fs, {bath_t:g} K",
+        compile_s=float(t_first - t0), time_per_step_s=float(per_step), wall_s=float(time.perf_counter() - t_start),
+        energy_per_atom=tuple(float(v) for v in total / n),
+        drift_max_per_atom=drift, drift_slope_per_atom_ps=slope,
+        parity_energy_rel=parity[0], parity_force_max_abs=parity[1], parity_force_max_rel=parity[2],
+        parity_reference="numpy all-pairs over periodic images (demo.reference), same positions as step 1",
+        halo_ghost_rows=int(plan.n_ghost.sum()),
+        halo_rows_per_step=int(sum(c.rows for c in coll if c.op == "ppermute")),
+        halo_bytes_per_step=int(sum(c.bytes for c in coll)),
+        halo_padded_bytes_per_step=int(sum(c.padded_bytes for c in coll)),
+        collectives=tuple(c.to_dict() for c in coll),
+        owned_per_device=tuple(int(v) for v in plan.n_owned), ghosts_per_device=tuple(int(v) for v in plan.n_ghost),
+        rebuilds=tuple(rebuilds), late_rebuilds=tuple(late), grown=tuple(dict.fromkeys(grown)),
+        final_temperature=final_t,
+    )
+
+
+def _parity(cs: Any, state: Any, pot: Potential, sys_: Any, energy: float) -> tuple[float, float, float]:
+    """(energy rel error, max |dF|, max |dF| / max |F_ref|) of the distributed step against numpy."""
+    pos = cs.to_global(state.positions).astype(np.float64)
+    f = cs.to_global(state.forces).astype(np.float64)
+    e_ref, f_ref = pot.reference(pos, sys_.charges, sys_)
+    err = float(np.max(np.abs(f - f_ref)))
+    scale = max(float(np.max(np.abs(f_ref))), np.finfo(np.float64).tiny)
+    return abs(energy - e_ref) / max(abs(e_ref), np.finfo(np.float64).tiny), err, err / scale
+
+
+def _check_and_rebuild(loop: _Loop, step: int, config: RunConfig, sys_: Any, layout: Callable, place: Callable,
+                       rebuilds: list[int], late: list[int], grown: list[str]) -> _Loop:
+    """The host rebuild check: rebuild when the plan's criterion says so, or would before the next check."""
+    cs = loop.cs
+    pos = cs.to_global(loop.state.positions).astype(np.float64)
+    vel = cs.to_global(loop.state.velocities).astype(np.float64)
+    plan = cs.plan
+    moved = plan.max_displacement(pos)
+    dt = float(config.dt if config.dt is not None else SYSTEM_DEFAULTS[config.system][1])
+    ahead = moved + config.check_every * dt * float(np.max(np.linalg.norm(vel, axis=1), initial=0.0))
+    exceeded = plan.needs_rebuild(pos)
+    if not exceeded and ahead <= plan.skin / 2:
+        return loop
+    if exceeded:
+        late.append(step)
+        print(
+            f"warning: step {step}: an atom moved {moved:.3f} Å > skin/2 = {plan.skin / 2:.3f} Å before the "
+            f"rebuild check; raise --skin or lower --check-every.", file=sys.stderr)
+    frc = cs.to_global(loop.state.forces).astype(np.float64)
+    wrapped = wrap(pos, sys_.cell, sys_.periodic)
+    new_cs = cs.rebuild(wrapped)
+    grown.extend(new_cs.plan.grown)
+    lay = layout(new_cs)
+    state = place(new_cs, wrapped, vel, frc, lay)
+    state = dataclasses.replace(state, energy=loop.state.energy)
+    _assert_all_atoms(new_cs, state, wrapped, vel, step)
+    rebuilds.append(step)
+    return _Loop(new_cs, lay, state)
+
+
+def _assert_all_atoms(cs: Any, state: Any, positions: np.ndarray, velocities: np.ndarray, step: int) -> None:
+    """Every global ID owned exactly once, and positions and velocities come back unchanged."""
+    plan = cs.plan
+    ids = np.sort(plan.owned_global[plan.owned_mask])
+    n = positions.shape[0]
+    if ids.shape != (n,) or not np.array_equal(ids, np.arange(n)):
+        missing = np.setdiff1d(np.arange(n), ids)[:5].tolist()
+        raise AtomLossError(
+            f"rebuild at step {step}: the new plan owns {ids.size} rows for {n} atoms (missing ids {missing}); "
+            "this is a bug in the layout layer, please report it with the structure and the step."
+        )
+    back_x = cs.to_global(state.positions)
+    back_v = cs.to_global(state.velocities)
+    if not (np.allclose(back_x, positions.astype(back_x.dtype), rtol=0, atol=0)
+            and np.allclose(back_v, velocities.astype(back_v.dtype), rtol=0, atol=0)):
+        raise AtomLossError(
+            f"rebuild at step {step}: positions or velocities changed while moving to the new plan; "
+            "this is a bug in the layout or lowering layer, please report it."
+        )
