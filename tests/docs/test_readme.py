@@ -1,0 +1,54 @@
+"""The README's Python example runs as written (in a fresh interpreter) and gives ASE's answer."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+
+
+def _python_blocks() -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+
+
+def test_readme_has_one_python_example_of_about_15_lines():
+    blocks = _python_blocks()
+    assert len(blocks) == 1, f"expected one ```python block in README.md, found {len(blocks)}"
+    assert len(blocks[0].strip().splitlines()) <= 18
+
+
+def test_readme_links_point_to_files():
+    links = re.findall(r"\]\(([^)#]+)\)", README.read_text())
+    missing = [link for link in links if "://" not in link and not (ROOT / link).exists()]
+    assert not missing, f"README.md links to missing files: {missing}"
+
+
+@pytest.mark.slow
+def test_readme_example_runs_and_matches_ase(tmp_path: pathlib.Path):
+    from ase.calculators.lj import LennardJones
+
+    from nvalchemi_jaxbridge.demo import argon_fcc
+
+    out = tmp_path / "result.npz"
+    script = _python_blocks()[0] + (
+        "\nimport numpy as np\n"
+        f"np.savez({str(out)!r}, energy=float(energy), forces=np.asarray(forces))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = np.load(out)
+    atoms = argon_fcc(4).to_ase()                      # the example's system, through ASE
+    atoms.calc = LennardJones(epsilon=0.0104, sigma=3.40, rc=8.5, smooth=False)
+    f_ref = atoms.get_forces()
+    np.testing.assert_allclose(got["energy"], atoms.get_potential_energy(), rtol=1e-9)
+    np.testing.assert_allclose(got["forces"], f_ref, rtol=1e-7, atol=1e-9)
