@@ -136,8 +136,8 @@ def configure_jax(n_devices: int | None = None, *, dtype: str | None = None) -> 
     if n_devices is not None and (isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1):
         raise ValueError(f"--devices must be a positive int, got {n_devices!r}.")
     started = False
-    try:
-        jax.config.update("jax_num_cpu_devices", n_devices or 8)
+    try:  # never lower a count set earlier in this process (e.g. by a test harness)
+        jax.config.update("jax_num_cpu_devices", max(n_devices or 8, int(jax.config.jax_num_cpu_devices)))
     except RuntimeError:
         started = True  # backends already initialised: use what is there
     devices = jax.devices()
@@ -365,7 +365,7 @@ def run(config: RunConfig, *, progress: Callable[[int], Any] | None = None) -> R
 
     cutoff = float(pot.params.cutoff)
     plan = HaloPlan.build(sys_.positions, sys_.cell, periodic=sys_.periodic, cutoff=cutoff,
-                          skin=config.skin, n_devices=n_dev)
+                          skin=config.skin, n_devices=n_dev, headroom=1.5)
     cs = kcompile(spec, make_mesh(n_dev, devices=devices), plan, positions={adapter: [0]})
     scalars = pot.scalars()
     charged = pot.charged

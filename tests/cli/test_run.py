@@ -1,0 +1,155 @@
+"""`nvalchemi-jaxbridge run` / `simulate.run`: energy conservation against an independent single-device
+integrator, atoms kept across plan rebuilds, Langevin against single-device BAOAB, the CLI report."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nvalchemi_jaxbridge import simulate
+from nvalchemi_jaxbridge.cli import main
+from nvalchemi_jaxbridge.demo import jax_potentials, md, params, systems
+from nvalchemi_jaxbridge.layout import HaloPlan
+
+
+def _single_device_force(system):
+    p = params.LJParams()
+    return jax_potentials.periodic_energy_forces(
+        jax_potentials.lj_energy_forces, system.cell, system.periodic, p.cutoff, epsilon=p.epsilon, sigma=p.sigma)
+
+
+def test_energy_drift_matches_single_device_over_1000_steps_and_no_atom_is_lost():
+    # 32 argon atoms on 2 devices, JAX kernel; a thin skin forces many rebuilds (each asserts every atom).
+    cfg = simulate.RunConfig(kernel="jax", cells=2, devices=2, steps=1000, dt=5.0, temperature=60.0, skin=0.8,
+                             check_every=10)
+    report = simulate.run(cfg)
+    assert len(report.rebuilds) >= 5 and report.n_atoms == 32
+    assert sum(report.owned_per_device) == 32
+
+    system = simulate.make_system(cfg)
+    force = _single_device_force(system)
+    masses = jnp.asarray(system.masses)
+    state = md.init_state(force, jnp.asarray(system.positions), jnp.asarray(system.velocities))
+    e0 = float(state.energy + md.kinetic_energy(state.velocities, masses))
+    _, total = jax.jit(md.run_verlet, static_argnums=(0, 3, 4))(force, state, masses, 5.0, 1000)
+    single = np.concatenate([[e0], np.asarray(total)]) / 32
+
+    dist = np.asarray(report.energy_per_atom)
+    assert dist.shape == single.shape
+    drift_single = np.max(np.abs(single - single[0]))
+    drift_dist = np.max(np.abs(dist - dist[0]))
+    assert drift_single > 0
+    assert drift_dist <= 1.2 * drift_single
+    np.testing.assert_allclose(report.drift_max_per_atom, drift_dist, rtol=1e-12)
+    np.testing.assert_allclose(dist[:100], single[:100], rtol=1e-9)  # the same trajectory early on
+
+
+def test_langevin_matches_single_device_baoab_with_the_same_noise():
+    cfg = simulate.RunConfig(kernel="jax", cells=2, devices=4, steps=30, dt=5.0, temperature=80.0, langevin=0.01,
+                             seed=3, skin=0.4, check_every=5)
+    report = simulate.run(cfg)
+    system = simulate.make_system(cfg)
+    force = _single_device_force(system)
+    masses = jnp.asarray(system.masses)
+    state = md.init_state(force, jnp.asarray(system.positions), jnp.asarray(system.velocities))
+    key = jax.random.key(3)
+    want = []
+    step = jax.jit(md.baoab_step, static_argnums=(0,), static_argnames=("temperature", "friction"))
+    for i in range(30):
+        state = step(force, state, masses, 5.0, jax.random.fold_in(key, i), temperature=80.0, friction=0.01)
+        want.append(float(state.energy + md.kinetic_energy(state.velocities, masses)))
+    np.testing.assert_allclose(np.asarray(report.energy_per_atom[1:]), np.asarray(want) / 32, rtol=1e-9)
+
+
+def test_rebuild_keeps_every_atom_when_atoms_cross_the_cell(monkeypatch):
+    # Hot gas-like argon: atoms leave the cell between rebuilds; positions are wrapped at each rebuild.
+    seen = []
+    real = HaloPlan.rebuild
+
+    def spy(self, positions, **kw):
+        frac = np.asarray(positions) @ np.linalg.inv(self.cell)
+        seen.append(bool(np.all((frac >= 0) & (frac < 1))))
+        return real(self, positions, **kw)
+
+    monkeypatch.setattr(HaloPlan, "rebuild", spy)
+    cfg = simulate.RunConfig(kernel="jax", cells=2, devices=8, steps=40, dt=5.0, temperature=3000.0, skin=0.5,
+                             check_every=2)
+    report = simulate.run(cfg)
+    assert seen and all(seen) and len(report.rebuilds) == len(seen)
+    assert sorted(report.owned_per_device) and sum(report.owned_per_device) == 32
+
+
+def test_cli_run_torch_kernel_report(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    png = tmp_path / "r.png"
+    rc = main(["run", "--steps", "3", "--cells", "3", "--devices", "8", "--temperature", "50", "--quiet",
+               "--json-report", str(path), "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for word in ("parity", "ms/step", "drift", "imbalance", "ghost rows", "ppermute", "psum", "rebuilds"):
+        assert word in out
+    r = json.loads(path.read_text())
+    assert r["n_atoms"] == 4 * 27 and r["n_devices"] == 8 and r["kernel"] == "torch" and r["steps"] == 3
+    assert r["parity_force_max_rel"] < 1e-10 and r["parity_energy_rel"] < 1e-10
+    assert sum(r["owned_per_device"]) == 108 and len(r["owned_per_device"]) == 8
+    assert r["owned_min"] == min(r["owned_per_device"]) and r["owned_max"] == max(r["owned_per_device"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # bytes per step: positions forward (1 exchange) + forces scatter (2 exchanges) of 3 float64 + one psum
+    ghosts_from_other_ranks = r["collectives"][0]["rows"]
+    assert r["halo_bytes_per_step"] == 3 * ghosts_from_other_ranks * 24 + 8 * 8
+
+
+def test_cli_run_triton_kernel_matches_numpy(tmp_path):
+    # The Triton interpreter (CPU) is slow: one step, 32 atoms, 2 devices.
+    path = tmp_path / "r.json"
+    assert main(["run", "--kernel", "triton", "--cells", "2", "--devices", "2", "--steps", "1", "--quiet",
+                 "--json-report", str(path)]) == 0
+    r = json.loads(path.read_text())
+    assert r["op"] == "jaxbridge_demo::lj_energy_forces_triton" and r["n_atoms"] == 32
+    assert r["parity_force_max_rel"] < 1e-10
+
+
+def test_rocksalt_torch_kernel_matches_numpy():
+    report = simulate.run(simulate.RunConfig(system="rocksalt", cells=1, devices=2, steps=2))
+    assert report.op == "jaxbridge_demo::dsf_energy_forces" and report.n_atoms == 8
+    assert report.parity_force_max_rel < 1e-10 and report.parity_energy_rel < 1e-10
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--kernel", "triton", "--spec", "x.json"], r"--kernel triton picks the default spec file.*drop --kernel"),
+    (["--steps", "0"], r"steps must be a positive int, got 0"),
+    (["--devices", "9"], r"asked for 9 devices but JAX has 8 cpu device\(s\).*jax_num_cpu_devices"),
+    (["--system", "rocksalt", "--structure", "STRUCT"], r"no charges; add initial charges"),
+])
+def test_cli_run_errors_name_the_option(argv, match, tmp_path, capsys):
+    import ase.io
+
+    xyz = tmp_path / "ar.xyz"
+    ase.io.write(xyz, systems.argon_fcc(2).to_ase())
+    argv = [str(xyz) if a == "STRUCT" else a for a in argv]
+    assert main(["run", "--quiet", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ")
+    assert __import__("re").search(match, err), err
+
+
+def test_run_reads_a_structure_file(tmp_path):
+    import ase.io
+
+    xyz = tmp_path / "ar.extxyz"
+    atoms = systems.argon_fcc(2).to_ase()
+    atoms.positions += np.random.default_rng(0).normal(scale=0.05, size=atoms.positions.shape)
+    ase.io.write(xyz, atoms)
+    report = simulate.run(simulate.RunConfig(structure=str(xyz), devices=2, steps=2, kernel="jax"))
+    assert report.n_atoms == 32 and report.parity_force_max_rel < 1e-10
+
+
+def test_energy_drift_definition():
+    e = np.array([1.0, 1.5, 0.25, 1.0]) * 4
+    drift, slope = simulate.energy_drift(e, 4, 1000.0)  # 1 ps per step
+    assert drift == 0.75
+    np.testing.assert_allclose(slope, abs(np.polyfit([0, 1, 2, 3], e / 4, 1)[0]))
