@@ -315,23 +315,20 @@ def validate(spec_path: str, op_ref: str, *, devices: int | None = None, structu
     if not hints and error is None:
         for hops in (2, 3):
             wide = hops * cutoff + skin
-            checks2, _, err2, _ = _run_pair(spec, adapter, op, roles, system, devs, cutoff, wide, rtol, thin=width)
+            checks2, _, err2, _ = _run_pair(spec, adapter, op, roles, system, devs, cutoff, wide, rtol)
             if err2 is None and all(c.ok for c in checks2):
                 hints.append(
                     f"the halo is too thin: the op reaches beyond one cutoff (e.g. {hops} message-passing hops); "
                     f"build the plan with a ghost width of {wide:g} Å = {hops} x cutoff"
-                    + (f" + skin" if skin else "") + f" (HaloPlan.build(..., cutoff={cutoff:g}, "
+                    + (" + skin" if skin else "") + f" (HaloPlan.build(..., cutoff={cutoff:g}, "
                     f"skin={wide - cutoff:g}); validate --skin {wide - cutoff:g}).")
                 break
     return ValidationReport(**base, ghost_width=width, outputs=checks, fired=fired, hints=tuple(hints), error=error)
 
 
 def _run_pair(spec: Any, adapter: Any, op: Any, roles: list[str], system: Any, devs: list[Any], cutoff: float,
-              width: float, rtol: float, thin: float | None = None):
-    """Run single-device and distributed at ghost width `width`; (checks, fired, error, {output: folded ok}).
-
-    With `thin`, the single-device block uses `width` and the distributed plan too (the wide retry).
-    """
+              width: float, rtol: float):
+    """Run single-device and distributed at ghost width `width`; (checks, fired, error, {output: folded ok})."""
     from .kernels import compile as kcompile
     from .layout import HaloPlan
     from .lower import make_mesh
