@@ -75,7 +75,7 @@ class System:
             if p and np.linalg.norm(self.cell[k]) == 0.0:
                 raise ValueError(
                     f"System is periodic along lattice vector {k} but cell[{k}] is zero; "
-                    "give a cell or set periodic[{k}] = False."
+                    f"give a cell or set periodic[{k}] = False."
                 )
         if any(self.periodic) and abs(np.linalg.det(self.cell)) < 1e-12:
             raise ValueError(

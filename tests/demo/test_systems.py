@@ -126,3 +126,12 @@ def test_system_validation_errors():
     with pytest.raises(ValueError, match="read-only"):
         good.positions[0, 0] = 1.0
     assert good.positions.dtype == np.float64 and good.atomic_numbers.dtype == np.int64
+
+
+def test_zero_cell_row_error_names_the_axis():
+    cell = np.diag([5.0, 5.0, 0.0])
+    with pytest.raises(ValueError, match=r"set periodic\[2\] = False"):
+        System(
+            positions=np.zeros((1, 3)), cell=cell, periodic=(True, True, True),
+            masses=np.ones(1), atomic_numbers=np.ones(1, dtype=int),
+        )
