@@ -124,6 +124,7 @@ def run_torch(case: Case, dtype: str, dev, iters: int, warmup: int, skin: float)
         _, f = forces(x)
         state.update(x=x, v=v + 0.5 * dt * f * inv_m, f=f)
 
+    iters = _iters_for(lambda: (step(), torch.cuda.synchronize(dev) if dev.type == "cuda" else None), iters)
     wall, ev = cm.time_torch(step, warmup=warmup, iters=iters, device=dev)
     t = cm.med(ev) if ev else cm.med(wall)
     return t, f0.double().cpu().numpy(), float(e0), {"rows": n_pad}
@@ -183,6 +184,7 @@ def run_bridge(case: Case, n_dev: int, dtype: str, iters: int, warmup: int, skin
         state[:] = out[:3]
         return out
 
+    iters = _iters_for(lambda: jax.block_until_ready(one()), iters)
     times = cm.time_jax(one, warmup=warmup, iters=iters)
     info = {"oc": oc, "hr": hr, "needed": int(np.max(plan.n_owned + plan.n_ghost)),
             "rows_held": sorted({s.data.shape[0] for a in state for s in a.addressable_shards}),
@@ -190,6 +192,15 @@ def run_bridge(case: Case, n_dev: int, dtype: str, iters: int, warmup: int, skin
     f0g = cs.to_global(np.asarray(f0, dtype=np.float64))
     del state, cs
     return cm.med(times), f0g, float(e0), info
+
+
+def _iters_for(call, iters: int, seconds: float = 3.0) -> int:
+    """Run one step (compiles, warms up) and choose how many to time: about `seconds` of steps, at least 3."""
+    import time as _t
+
+    t0 = _t.perf_counter()
+    call()
+    return max(min(3, iters), min(iters, int(seconds / max(_t.perf_counter() - t0, 1e-9))))
 
 
 def _owned_inverse_mass(cs, plan, masses, dtype):
@@ -263,10 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     iters = a.iters or (2 if a.smoke else 8)
-    warmup = 1 if a.smoke else 2
+    warmup = 0 if a.smoke else 1  # plus the one step that chooses the repetitions
     ladder = SMOKE_LADDER if a.smoke else LADDER
     dev = torch.device("cuda", 0) if platform == "gpu" else torch.device("cpu")
-    settings = {"dtype": a.dtype, "cutoff": f"{SMOKE_CUTOFF} A (smoke)" if a.smoke else "LJ 8.5 A, DSF 9.0 A", "timing": f"median of {iters} steps after {warmup} warm-up",
+    settings = {"dtype": a.dtype, "cutoff": f"{SMOKE_CUTOFF} A (smoke)" if a.smoke else "LJ 8.5 A, DSF 9.0 A", "timing": f"median of up to {iters} steps (at most ~3 s of steps, >= 3) after {warmup + 1} warm-up",
                 "plan": f"HaloPlan headroom 1.0, skin {a.skin} A, built once (no rebuild during the timed steps)",
                 "limits": f"step > {a.limit_s} s or out of memory stops a run; budget {a.budget_s:.0f} s",
                 "memory": "torch: max_memory_allocated since the run began; jax: peak_bytes_in_use of the process so far"}
@@ -279,64 +290,68 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     summary: dict[tuple[str, str], dict[str, float]] = {}
     failed_parity = []
-    for kind in [s for s in a.systems.split(",") if s]:
-        for kernel in [k for k in a.kernels.split(",") if k]:
-            alive = {m: True for m in MODES}
-            if len(jax.devices()) < 2:
-                alive["bridge, 2 dev"] = False
-            for cells in ladder[kind]:
-                if not any(alive.values()):
-                    break
-                if time.perf_counter() - t_start > a.budget_s:
-                    rep.note(f"{kind}/{kernel}: stopped before {cells}^3 cells, time budget of {a.budget_s:.0f} s spent.")
-                    break
-                case = make_case(kind, kernel, cells, SMOKE_CUTOFF if a.smoke else None)
-                ref_f = None
-                res: dict[str, float] = {}
-                for mode in MODES:
-                    if not alive[mode]:
-                        continue
-                    with rep.section(f"{kind}/{kernel}/{case.n} atoms/{mode}"):
-                        n_dev = 2 if mode.endswith("2 dev") else 1
-                        reset_peaks(platform)
-                        try:
-                            if mode.startswith("torch"):
-                                t, f0, e0, info = run_torch(case, a.dtype, dev, iters, warmup, a.skin)
-                                ref_f = f0
-                                held = f"{info['rows']} / {info['rows']}"
-                                mem_prog = "-"
-                            else:
-                                t, f0, e0, info = run_bridge(case, n_dev, a.dtype, iters, warmup, a.skin)
-                                held = f"owned {info['oc']}, halo {info['hr']} / {info['needed']}"
-                                mem_prog = info["memory"]
-                        except Exception as e:
-                            if _is_oom(e):
-                                alive[mode] = False
-                                rep.row(rows, [kind, kernel, case.n, mode, "-", "OOM", "-", "-", "-", "-", "-", "-",
-                                               peaks(platform, n_dev)])
-                                reset_peaks(platform)
-                                continue
-                            raise
-                        res[mode] = t
-                        parity = "-"
-                        if ref_f is not None and not mode.startswith("torch"):
-                            err = float(np.abs(f0 - ref_f).max() / max(np.abs(ref_f).max(), 1e-30))
-                            tol = 1e-3 if a.dtype == "float32" else 1e-8
-                            parity = f"{err:.1e} {'ok' if err <= tol else 'FAIL'}"
-                            if err > tol:
-                                failed_parity.append(f"{kind}/{kernel}/{case.n}/{mode}: {err:.1e}")
-                        base = res.get("torch, 1 dev")
-                        one = res.get("bridge, 1 dev")
-                        vs = f"{base / t:.2f}x" if base and not mode.startswith("torch") else "-"
-                        sp = f"{one / t:.2f}x ({one / t / 2:.0%})" if one and n_dev == 2 else "-"
-                        rep.row(rows, [kind, kernel, case.n, mode, held, cm.ms(t), f"{1 / t:.3g}",
-                                       f"{case.n / t:.3g}", vs, sp, parity, mem_prog, peaks(platform, n_dev)])
-                        if t > a.limit_s:
+    combos = [(k, kn) for k in a.systems.split(",") if k for kn in a.kernels.split(",") if kn]
+    for i_combo, (kind, kernel) in enumerate(combos):
+        # each system/kernel pair gets an equal share of what is left of the budget
+        left = a.budget_s - (time.perf_counter() - t_start)
+        deadline = time.perf_counter() + left / (len(combos) - i_combo)
+        alive = {m: True for m in MODES}
+        if len(jax.devices()) < 2:
+            alive["bridge, 2 dev"] = False
+        for cells in ladder[kind]:
+            if not any(alive.values()):
+                break
+            if time.perf_counter() > deadline:
+                rep.note(f"{kind}/{kernel}: stopped before {cells}^3 cells: its share of the "
+                         f"{a.budget_s:.0f} s time budget is spent.")
+                break
+            case = make_case(kind, kernel, cells, SMOKE_CUTOFF if a.smoke else None)
+            ref_f = None
+            res: dict[str, float] = {}
+            for mode in MODES:
+                if not alive[mode]:
+                    continue
+                with rep.section(f"{kind}/{kernel}/{case.n} atoms/{mode}"):
+                    n_dev = 2 if mode.endswith("2 dev") else 1
+                    reset_peaks(platform)
+                    try:
+                        if mode.startswith("torch"):
+                            t, f0, e0, info = run_torch(case, a.dtype, dev, iters, warmup, a.skin)
+                            ref_f = f0
+                            held = f"{info['rows']} / {info['rows']}"
+                            mem_prog = "-"
+                        else:
+                            t, f0, e0, info = run_bridge(case, n_dev, a.dtype, iters, warmup, a.skin)
+                            held = f"owned {info['oc']}, halo {info['hr']} / {info['needed']}"
+                            mem_prog = info["memory"]
+                    except Exception as e:
+                        if _is_oom(e):
                             alive[mode] = False
-                    if platform == "gpu":
-                        torch.cuda.empty_cache()
-                if res:
-                    summary[kind, kernel] = {"n": case.n, **res}
+                            rep.row(rows, [kind, kernel, case.n, mode, "-", "OOM", "-", "-", "-", "-", "-", "-",
+                                           peaks(platform, n_dev)])
+                            reset_peaks(platform)
+                            continue
+                        raise
+                    res[mode] = t
+                    parity = "-"
+                    if ref_f is not None and not mode.startswith("torch"):
+                        err = float(np.abs(f0 - ref_f).max() / max(np.abs(ref_f).max(), 1e-30))
+                        tol = 1e-3 if a.dtype == "float32" else 1e-8
+                        parity = f"{err:.1e} {'ok' if err <= tol else 'FAIL'}"
+                        if err > tol:
+                            failed_parity.append(f"{kind}/{kernel}/{case.n}/{mode}: {err:.1e}")
+                    base = res.get("torch, 1 dev")
+                    one = res.get("bridge, 1 dev")
+                    vs = f"{base / t:.2f}x" if base and not mode.startswith("torch") else "-"
+                    sp = f"{one / t:.2f}x ({one / t / 2:.0%})" if one and n_dev == 2 else "-"
+                    rep.row(rows, [kind, kernel, case.n, mode, held, cm.ms(t), f"{1 / t:.3g}",
+                                   f"{case.n / t:.3g}", vs, sp, parity, mem_prog, peaks(platform, n_dev)])
+                    if t > a.limit_s:
+                        alive[mode] = False
+                if platform == "gpu":
+                    torch.cuda.empty_cache()
+            if res:
+                summary[kind, kernel] = {"n": case.n, **res}
     with rep.section("targets"):
         if failed_parity:
             raise AssertionError("first-step force parity failed: " + "; ".join(failed_parity))

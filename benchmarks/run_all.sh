@@ -37,7 +37,7 @@ run() {  # run NAME TIMEOUT_S ARGS...
 PRE_PID=""
 if [ -z "$SMOKE" ]; then
   log "wrap-torch2jax: building its extension in the background"
-  MAX_JOBS=8 nice -n 19 timeout 420 "$PY" benchmarks/kernel_overhead.py --prebuild-torch2jax \
+  JAX_PLATFORMS=cpu MAX_JOBS=8 nice -n 19 timeout 420 "$PY" benchmarks/kernel_overhead.py --prebuild-torch2jax --platform cpu \
     > "$OUT/torch2jax_build.log" 2>&1 &
   PRE_PID=$!
 fi
