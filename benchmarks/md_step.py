@@ -322,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                             mem_prog = "-"
                         else:
                             t, f0, e0, info = run_bridge(case, n_dev, a.dtype, iters, warmup, a.skin)
-                            held = f"owned {info['oc']}, halo {info['hr']} / {info['needed']}"
+                            held = (f"owned {info['oc']} (state shards: {info['rows_held']}), "
+                                    f"halo {info['hr']} / {info['needed']}")
                             mem_prog = info["memory"]
                     except Exception as e:
                         if _is_oom(e):
