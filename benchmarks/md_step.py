@@ -235,6 +235,9 @@ def reset_peaks(platform: str) -> None:
 
         torch.cuda.empty_cache()
         for i in range(torch.cuda.device_count()):
+            # The caching allocator of a device torch has not touched yet refuses a reset
+            # ("Invalid device argument"): initialise it with a tiny allocation first.
+            torch.empty(1, device=f"cuda:{i}")
             torch.cuda.reset_peak_memory_stats(i)
 
 
