@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import types
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +39,12 @@ from ..kernels.dlpack import jax_to_torch, torch_to_jax
 from ..lower import collectives as col
 from ..lower.mesh import make_mesh, mesh_axis
 from ..lower.tables import device_tables, is_halo_plan, is_shard_plan
+
+# Benchmark switch, read once at import (benchmarks/front_door.py flips the attribute
+# to time both paths in one run). "1" restores a host sync after every program on GPU,
+# the first fix of the DLPack race; the default is the stream-ordered path (`_call`).
+# Not a user setting: both paths give the same results.
+_HOST_SYNC = os.environ.get("JAXBRIDGE_FRONT_DOOR_HOST_SYNC", "0") == "1"
 
 _CONTEXTS: dict[int, tuple[Any, PlanContext]] = {}
 _MESH: dict[str, Any] = {}
@@ -72,7 +79,7 @@ class PlanContext:
     @functools.cached_property
     def tables(self) -> Any:
         """The plan's tables as sharded jax arrays (built on first use)."""
-        return device_tables(self.plan, self.mesh)
+        return _device_tables(self.plan, self.mesh, self.device)
 
     @functools.cached_property
     def shard_tables(self) -> Any:
@@ -84,7 +91,7 @@ class PlanContext:
             n_devices=self.n_devices, n_global=self.n_global, owner=p.owner, local_index=p.local_index,
             owned_global=p.owned_global, n_owned=p.n_owned, owned_capacity=self.owned_capacity,
         )
-        return device_tables(view, self.mesh)
+        return _device_tables(view, self.mesh, self.device)
 
     @property
     def device(self) -> Any:
@@ -100,6 +107,18 @@ class PlanContext:
         from ..spec import policies
 
         return policies.HaloStoragePolicy() if self.kind == "halo" else policies.PlainShard()
+
+
+def _device_tables(plan: Any, mesh: Any, device: Any) -> Any:
+    """`device_tables`, after torch's queued GPU work on this process's device is done (once per plan).
+
+    An upload is not ordered behind torch's stream, and its fresh XLA memory may
+    be a JAX output that torch still has queued reads of (see `_call`); waiting
+    for torch first costs one host sync per plan, not per transform.
+    """
+    if device.platform == "gpu":
+        torch.cuda.current_stream(device.local_hardware_id).synchronize()
+    return device_tables(plan, mesh)
 
 
 def _make_context(plan: Any) -> PlanContext:
@@ -184,27 +203,73 @@ def _program(ctx: PlanContext, name: str, local_fn: Callable, in_local: tuple[in
     return prog
 
 
-def _to_global(ctx: PlanContext, t: torch.Tensor, name: str) -> jax.Array:
-    """This rank's torch block as its shard of a global `P(axis)` array (no copy)."""
-    a = torch_to_jax(t.detach().contiguous(), name=name, copy=True)
-    if a.sharding.device_set != {ctx.device}:
-        a = jax.device_put(a, ctx.device)
-    gshape = (ctx.n_devices * t.shape[0],) + tuple(t.shape[1:])
-    return jax.make_array_from_single_device_arrays(gshape, NamedSharding(ctx.mesh, P(ctx.axis)), [a])
+def _to_global(ctx: PlanContext, t: torch.Tensor, name: str) -> tuple[jax.Array, jax.Array]:
+    """This rank's torch block as its shard of a global `P(axis)` array (no copy), and the imported array.
 
-
-def _local(out: jax.Array, name: str, keep_alive: Any = None) -> torch.Tensor:
-    """This process's shard of a program output, as a torch tensor (no copy).
-
-    On GPU the output is waited for while `keep_alive` (the program's input,
-    which aliases torch memory) is still referenced: torch's caching allocator
-    does not know XLA's stream, so freeing the input earlier could let torch
-    reuse its memory while XLA still reads it.
+    The imported single-device array is returned too: when it has to be moved to
+    `ctx.device` (a CPU block landing on another virtual device), the global
+    array does not hold it, and the caller must keep it alive (see `_call`).
     """
-    if keep_alive is not None and out.sharding.device_set and next(iter(out.sharding.device_set)).platform != "cpu":
-        out.block_until_ready()
-    del keep_alive
-    return jax_to_torch(out.addressable_shards[0].data, name=name)
+    a = torch_to_jax(t.detach().contiguous(), name=name, copy=True)
+    placed = a if a.sharding.device_set == {ctx.device} else jax.device_put(a, ctx.device)
+    gshape = (ctx.n_devices * t.shape[0],) + tuple(t.shape[1:])
+    return jax.make_array_from_single_device_arrays(gshape, NamedSharding(ctx.mesh, P(ctx.axis)), [placed]), a
+
+
+def _call(ctx: PlanContext, program: Callable[[jax.Array], jax.Array], x: torch.Tensor, name: str
+          ) -> torch.Tensor:
+    """Run `program` (a jitted program of the global array) on this rank's block `x`; this rank's output block.
+
+    Stream-ordered on GPU, with no host sync (see the comment in the body).
+    """
+    g, imported = _to_global(ctx, x, name)
+    out = program(g)
+    if _HOST_SYNC and not _on_cpu(out):
+        out.block_until_ready()  # the benchmark's "before": the first GPU fix, a host sync per program
+    # Why no host sync is needed, and why the order of the next lines matters.
+    #
+    # JAX reads `x` in place: `imported` views torch's memory (DLPack, no copy)
+    # and its capsule holds a torch reference to the tensor, so torch cannot take
+    # the memory back while that JAX array lives (tests/torch/test_stream_order.py
+    # checks this). On CPU, PjRt also defers the release until the programs that
+    # read the buffer are done (checked by hand). On GPU it need not: under the
+    # compute-synchronized allocation model a buffer is released when its last
+    # array dies on the host, which is safe for XLA's own memory (its next user
+    # runs later on the same stream) but not for torch's, whose caching allocator
+    # hands a freed block to the next allocation on the block's stream at once.
+    #
+    # So torch's memory may go back to torch only once torch's stream is ordered
+    # behind the program. `jax_to_torch` (torch.from_dlpack) enqueues that order:
+    # torch's current stream waits (an event, no host sync) until `out` is ready,
+    # and `out` is ready only when the whole program, every read of its input
+    # included, has finished. Hence: convert first, and keep `x`, `g` and
+    # `imported` referenced until after it. Temporaries made on the way (`_pad`,
+    # `.contiguous()`, an aligning clone) were allocated on the current stream,
+    # so their reuse comes after that wait. The caller's `x` may have been
+    # allocated on another stream: `record_stream` makes the allocator wait for
+    # the current stream (now behind the program) before reusing it, whichever
+    # stream allocated it (a no-op on its own stream and for memory torch did not
+    # allocate, such as earlier JAX outputs). Backward (the VJP programs) runs
+    # through here too, under autograd's current stream (the forward's stream).
+    #
+    # The other direction: a JAX output viewed by torch is freed to XLA when the
+    # torch view dies, possibly before torch's queued reads of it ran. The next
+    # front-door program cannot overwrite it early, since its import makes XLA
+    # wait for torch's current stream; table uploads are guarded in
+    # `_device_tables`. JAX work of the user's own, not ordered behind torch's
+    # stream, is not covered (nor was it with the host sync).
+    #
+    # On CPU torch.from_dlpack blocks until `out` is ready (no streams), as before.
+    y = jax_to_torch(out.addressable_shards[0].data, name=name)
+    if x.is_cuda:
+        x.record_stream(torch.cuda.current_stream(x.device))
+    del g, imported, out  # only now may the input memory go back to torch
+    return y
+
+
+def _on_cpu(a: jax.Array) -> bool:
+    """Whether `a` lives on CPU devices."""
+    return next(iter(a.sharding.device_set)).platform == "cpu"
 
 
 def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -223,9 +288,7 @@ def run(ctx: PlanContext, prog: Program, x: torch.Tensor, rows_out: int, name: s
         ) -> torch.Tensor:
     """Run `prog` (or its VJP) on this rank's block `x`; keep the first `rows_out` rows of the result."""
     tables = ctx.tables if prog.uses_tables else None
-    g = _to_global(ctx, x, name)
-    out = prog.bwd(tables, g) if adjoint else prog.fwd(g, tables)
-    y = _local(out, name, keep_alive=(x, g))
+    y = _call(ctx, functools.partial(prog.bwd, tables) if adjoint else lambda g: prog.fwd(g, tables), x, name)
     return y if y.ndim == 0 else y[:rows_out]
 
 
@@ -373,10 +436,8 @@ def _shard_step(ctx: PlanContext, prog: Program, tables: Any, in_rows: int, out_
     """A step over shard tables (which may differ from `ctx.tables` for a halo plan)."""
 
     def go(x: torch.Tensor, pad_to: int, keep: int, adjoint: bool) -> torch.Tensor:
-        padded = _pad(x, pad_to)
-        g = _to_global(ctx, padded, name)
-        out = prog.bwd(tables, g) if adjoint else prog.fwd(g, tables)
-        return _local(out, name, keep_alive=(padded, g))[:keep]
+        program = functools.partial(prog.bwd, tables) if adjoint else lambda g: prog.fwd(g, tables)
+        return _call(ctx, program, _pad(x, pad_to), name)[:keep]
 
     out_cap = ctx.n_global if in_rows == ctx.owned_capacity else ctx.owned_capacity
     return Step(lambda x: go(x, in_rows, out_rows, False), lambda g: go(g, out_cap, back_rows, True))
