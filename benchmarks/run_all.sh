@@ -7,6 +7,9 @@
 # background (nice, MAX_JOBS=8) while the first three benchmarks run. Environment:
 # PYTHON (default python3). Writes OUTDIR/<benchmark>.md, OUTDIR/<benchmark>.log and
 # OUTDIR/ALL.md (all tables, ready to paste into benchmarks/RESULTS.md).
+# SCALING=1 adds benchmarks/scaling.py (strong + weak MD scaling over all devices, and halo exchanges
+# on slab / 2-D / 3-D grids) after the four; SCALING_ARGS passes it extra arguments. On GPUs at the
+# default 10^6 atoms it can take ~10 minutes: run it alone there (see benchmarks/RESULTS.md).
 set -u
 OUT=${1:?usage: benchmarks/run_all.sh OUTDIR [--smoke]}
 shift
@@ -63,11 +66,19 @@ else
   run kernel_overhead 110 --torch2jax cached
 fi
 
+if [ "${SCALING:-0}" = "1" ]; then
+  if [ -n "$SMOKE" ]; then
+    run scaling 300 --halo ${SCALING_ARGS:-}
+  else
+    run scaling "${SCALING_TIMEOUT:-900}" --halo ${SCALING_ARGS:-}
+  fi
+fi
+
 {
   echo "# Benchmark run $(date -u '+%Y-%m-%d %H:%M UTC') ${SMOKE:+(smoke)}"
   echo
   echo "Exit status: ${STATUS[*]}"
-  for n in halo_exchange kernel_overhead front_door md_step; do
+  for n in halo_exchange kernel_overhead front_door md_step scaling; do
     [ -f "$OUT/$n.md" ] && { echo; cat "$OUT/$n.md"; }
   done
 } > "$OUT/ALL.md"
