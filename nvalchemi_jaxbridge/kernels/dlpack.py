@@ -227,4 +227,7 @@ def torch_shards_to_jax(
 
 def buffer_to_torch(buf: Any) -> torch.Tensor:
     """A torch view of a `buffer_callback` Buffer (inside the callback; no copy)."""
-    return torch.from_dlpack(buf)
+    # Through the capsule: given the Buffer itself, torch.from_dlpack would look up
+    # torch's current CUDA stream for every buffer to pass as `stream=`, which
+    # Buffer.__dlpack__ ignores (the callback orders work on ctx.stream instead).
+    return torch.from_dlpack(buf.__dlpack__())

@@ -24,11 +24,10 @@ Inside `shard_map(check_vma=True)` the callback's varying-axes typing, which
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -178,22 +177,52 @@ def _vary(x: jax.Array, axes: frozenset[str]) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- streams
+#
+# The callbacks run once per kernel call, so their host work is the bridge's per-call
+# overhead (issue 7). On a GPU torch must queue the op on XLA's stream (`ctx.stream`)
+# and on the buffers' device; the previous stream and device are restored after. The
+# ExternalStream for each (stream pointer, device) is built once and its ids cached,
+# and the stream is switched with torch's C setters instead of the nested
+# `torch.cuda.device` / `torch.cuda.stream` context managers (which build Stream
+# objects and query the current stream several times per call).
+
+_XLA_STREAMS: dict[tuple[int, int], tuple[int, int, int]] = {}
+_STREAM_OBJECTS: list[Any] = []  # keeps each cached ExternalStream alive with its ids
 
 
-@contextlib.contextmanager
-def _on_xla_stream(ctx: Any, buffers: Sequence[Any]) -> Iterator[None]:
-    """Queue torch work on XLA's stream and device for GPU buffers; nothing to do on CPU."""
-    dev = None
-    for b in buffers:
-        dev = b.__dlpack_device__()
-        break
-    if dev is None or int(dev[0]) not in (_KDL_CUDA, _KDL_ROCM):
-        yield
-        return
-    device = torch.device("cuda", int(dev[1]))
-    stream = torch.cuda.ExternalStream(ctx.stream, device=device)
-    with torch.cuda.device(device), torch.cuda.stream(stream):
-        yield
+def _xla_stream_ids(ptr: int, index: int) -> tuple[int, int, int]:
+    """torch's (stream_id, device_index, device_type) for XLA's stream `ptr` on GPU `index`."""
+    ids = _XLA_STREAMS.get((ptr, index))
+    if ids is None:
+        torch.cuda.init()
+        s = torch.cuda.ExternalStream(ptr, device=torch.device("cuda", index))
+        _STREAM_OBJECTS.append(s)
+        ids = _XLA_STREAMS[(ptr, index)] = (s.stream_id, s.device_index, s.device_type)
+    return ids
+
+
+def _enter_xla_stream(ctx: Any, buf: Any) -> tuple[int, tuple[int, int, int]] | None:
+    """Make XLA's stream (and its device) torch's current one for a GPU buffer.
+
+    Returns what `_leave_xla_stream` restores (previous device, previous stream of
+    the buffer's device), or None for a CPU buffer (nothing to do).
+    """
+    kind, index = buf.__dlpack_device__()
+    if kind != _KDL_CUDA and kind != _KDL_ROCM:
+        return None
+    sid, dev, dtype = _xla_stream_ids(ctx.stream, index)
+    prev_device = torch._C._cuda_getDevice()
+    prev_stream = torch._C._cuda_getCurrentStream(dev)
+    torch._C._cuda_setStream(stream_id=sid, device_index=dev, device_type=dtype)  # also makes `dev` current
+    return prev_device, prev_stream
+
+
+def _leave_xla_stream(saved: tuple[int, tuple[int, int, int]]) -> None:
+    """Restore the stream and device that `_enter_xla_stream` replaced."""
+    prev_device, (sid, dev, dtype) = saved
+    torch._C._cuda_setStream(stream_id=sid, device_index=dev, device_type=dtype)
+    if prev_device != dev:
+        torch._C._cuda_setDevice(prev_device)
 
 
 # ----------------------------------------------------------------------------- per-call plan
@@ -495,66 +524,115 @@ class TorchOpKernel:
         specs += [jax.ShapeDtypeStruct(tuple(by_pos[i].shape), by_pos[i].dtype) for i in mutated_pos]
         return tuple(specs)
 
+    def _op_caller(self, statics: tuple[Any, ...], array_pos: tuple[int, ...]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+        """`call(tensors)`: the op on `tensors` (one per array, in call order) and the statics, as a tuple of its returns.
+
+        Everything that depends only on the schema and the static values (the
+        positional and keyword templates, where each tensor goes) is worked out
+        here once, so a call only fills the tensor slots.
+        """
+        pos0: list[Any] = []
+        kw0: dict[str, Any] = {}
+        slot: dict[int, int | str] = {}
+        for i, p in enumerate(self._params):
+            if p.kwarg_only:
+                kw0[p.name], slot[i] = statics[i], p.name
+            else:
+                slot[i] = len(pos0)
+                pos0.append(statics[i])
+        pos_fill = tuple((k, slot[i]) for k, i in enumerate(array_pos) if not self._params[i].kwarg_only)
+        kw_fill = tuple((k, slot[i]) for k, i in enumerate(array_pos) if self._params[i].kwarg_only)
+        op, n_ret = self.op, self._n_returns
+
+        def call(ts: Sequence[Any]) -> tuple[Any, ...]:
+            args = pos0.copy()
+            for k, s in pos_fill:
+                args[s] = ts[k]
+            if kw0:
+                kw = kw0.copy()
+                for k, s in kw_fill:
+                    kw[s] = ts[k]
+                res = op(*args, **kw)
+            else:
+                res = op(*args)
+            return (res,) if n_ret == 1 else () if n_ret == 0 else tuple(res)
+
+        return call
+
     def _forward_callback(self, statics, array_pos, mutated_pos, specs) -> Callable[..., tuple[jax.Array, ...]]:
         n_ret = self._n_returns
         out_of = {i: n_ret + j for j, i in enumerate(mutated_pos)}
         aliases = {array_pos.index(i): out_of[i] for i in mutated_pos}
+        # per array argument: the output buffer it is (a mutated argument, aliased to
+        # its input by XLA, so the op writes straight into JAX's result), or None
+        source = tuple(out_of.get(i) for i in array_pos)
+        call = self._op_caller(statics, array_pos)
+        set_grad, grad_enabled = torch._C._set_grad_enabled, torch.is_grad_enabled
 
         def callback(ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
-            with _on_xla_stream(ctx, (*outs, *ins)):
+            saved = _enter_xla_stream(ctx, outs[0])
+            grad = grad_enabled()
+            set_grad(False)
+            try:
                 t_out = [buffer_to_torch(b) for b in outs]
-                vals = list(statics)
-                for k, i in enumerate(array_pos):
-                    vals[i] = t_out[out_of[i]] if i in out_of else buffer_to_torch(ins[k])
-                with torch.no_grad():
-                    res = self._returns(self._call_op(vals))
-                for k in range(n_ret):
-                    if t_out[k].data_ptr() != res[k].data_ptr() or t_out[k].numel() == 0:
-                        t_out[k].copy_(res[k])
+                res = call([buffer_to_torch(ins[k]) if j is None else t_out[j] for k, j in enumerate(source)])
+                for o, r in zip(t_out, res):  # returns only; mutated arguments were written in place
+                    if o.data_ptr() != r.data_ptr() or o.numel() == 0:
+                        o.copy_(r)  # a functional op allocates its result: one device copy
+            finally:
+                set_grad(grad)
+                if saved is not None:
+                    _leave_xla_stream(saved)
 
         return buffer_callback(callback, specs, input_output_aliases=aliases or None)
 
     def _backward_callback(self, call: _Call, dtypes: Sequence[Any], ct_idx: tuple[int, ...]) -> Callable[..., Any]:
         """Callback computing the input cotangents of the inexact inputs."""
-        array_pos, statics = call.array_pos, call.statics
-        diff = tuple(k for k, d in enumerate(dtypes) if _is_inexact(d))
+        array_pos = call.array_pos
         n_arrays = len(array_pos)
+        # per array argument: (mutated by the op, differentiated)
+        kinds = tuple((self._params[i].mutable, _is_inexact(d)) for i, d in zip(array_pos, dtypes))
+        mutated_k = tuple(k for k, (mutable, _) in enumerate(kinds) if mutable)
+        # per incoming cotangent: (index into returns + mutated arguments, position in `ins`)
+        picks = tuple((call.selected[j], n_arrays + c) for c, j in enumerate(ct_idx))
+        run_op = self._op_caller(call.statics, array_pos)
+        set_grad, grad_enabled = torch._C._set_grad_enabled, torch.is_grad_enabled
 
         def callback(ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
-            with _on_xla_stream(ctx, (*outs, *ins)):
-                saved = [buffer_to_torch(b) for b in ins[:n_arrays]]
-                cts = [buffer_to_torch(b) for b in ins[n_arrays:]]
-                t_out = [buffer_to_torch(b) for b in outs]
-                vals = list(statics)
-                leaves = []
-                with torch.enable_grad():
-                    for k, i in enumerate(array_pos):
-                        t = saved[k].detach()
-                        mutable = self._params[i].mutable
+            saved = _enter_xla_stream(ctx, outs[0])
+            grad = grad_enabled()
+            set_grad(True)
+            try:
+                ts, leaves = [], []
+                for k, (mutable, differentiated) in enumerate(kinds):
+                    t = buffer_to_torch(ins[k])
+                    if mutable:
+                        t = t.clone()  # the op writes into it; never into JAX's buffer
+                    if differentiated:
+                        leaves.append(t.requires_grad_(True))
                         if mutable:
-                            t = t.clone()  # the op writes into it; never into JAX's buffer
-                        if k in diff:
-                            leaves.append(t.requires_grad_(True))
-                            if mutable:
-                                t = t.clone()  # in-place writes into a leaf are not allowed
-                        vals[i] = t
-                    res = self._returns(self._call_op(vals))
-                    mutated = tuple(vals[i] for i in call.mutated_pos)
-                    results = res + mutated
-                    outs_g, cts_g = [], []
-                    for j, ct in zip(ct_idx, cts):
-                        r = results[call.selected[j]]
-                        if r.requires_grad:
-                            outs_g.append(r)
-                            cts_g.append(ct)
-                    grads: Sequence[Any] = [None] * len(leaves)
-                    if outs_g:
-                        grads = torch.autograd.grad(outs_g, leaves, cts_g, allow_unused=True)
-                for o, g in zip(t_out, grads):
+                            t = t.clone()  # in-place writes into a leaf are not allowed
+                    ts.append(t)
+                results = run_op(ts) + tuple(ts[k] for k in mutated_k)
+                outs_g, cts_g = [], []
+                for r_idx, c in picks:
+                    r = results[r_idx]
+                    if r.requires_grad:
+                        outs_g.append(r)
+                        cts_g.append(buffer_to_torch(ins[c]))
+                grads: Sequence[Any] = [None] * len(leaves)
+                if outs_g:
+                    grads = torch.autograd.grad(outs_g, leaves, cts_g, allow_unused=True)
+                for b, g in zip(outs, grads):
+                    o = buffer_to_torch(b)
                     if g is None:
                         o.zero_()
                     else:
                         o.copy_(g)
+            finally:
+                set_grad(grad)
+                if saved is not None:
+                    _leave_xla_stream(saved)
 
         return callback
 
