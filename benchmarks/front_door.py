@@ -16,9 +16,12 @@ rank; the table shows the slower rank.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import _common as cm
 import numpy as np
@@ -26,6 +29,8 @@ import numpy as np
 CELLS = [8, 16, 24]
 SMOKE_CELLS = [2]
 FEATURES = 3
+CHAIN = 10
+PATHS = {"front door (host sync, before)": True, "front door (stream-ordered, after)": False}
 
 
 def _launch(argv: list[str], timeout_s: float) -> int:
@@ -143,13 +148,18 @@ def rank_main(a) -> int:
     if rank == 0:
         settings = {"processes": f"{world} (one device each), launched by nvalchemi_jaxbridge.torch.launch",
                     "features": f"{FEATURES} x float32 per atom", "plan": f"argon fcc, cutoff {LJParams().cutoff} A",
-                    "timing": f"median of {iters} calls after {warmup} warm-up, wall + synchronize; slower rank shown",
+                    "timing": (f"median of {iters} calls after {warmup} warm-up, wall + synchronize after each; "
+                               f"chain: {CHAIN} calls, one synchronize, time / {CHAIN}; the paths alternate in two "
+                               "rounds; slower rank shown"),
+                    "paths": "host sync = functions._HOST_SYNC on (a host wait per JAX program, before); "
+                             "stream-ordered = off (event waits only, after)",
                     "reference": f"torch.distributed all_to_all_single ({'nccl' if platform == 'gpu' else 'gloo'})"}
         rep = cm.Report("front_door", "PyTorch front door vs torch.distributed (2 processes)", a.out,
                         cm.context(platform), settings)
         rows = rep.table("GatherInputs + ScatterOutputs round trip (3 exchanges)",
-                         ["atoms", "rows/rank (owned / halo)", "ghost rows sent", "bytes/exchange/dir",
-                          "front door (us)", "all_to_all_single (us)", "ratio", "same result"])
+                         ["atoms", "rows/rank (owned / halo)", "ghost rows sent", "bytes/exchange/dir", "path",
+                          "per call, sync each (us)", f"per call, chain of {CHAIN} (us)", "/ all_to_all_single",
+                          "same result"])
     _lib, op = _identity_op()
     adapter = OpAdapter(op, gather_inputs=[0], scatter_outputs=[0])
     sync = (lambda _: torch.cuda.synchronize(dev)) if platform == "gpu" else (lambda _: None)
@@ -160,28 +170,48 @@ def rank_main(a) -> int:
             plan = HaloPlan.build(s.positions, s.cell, cutoff=LJParams().cutoff, n_devices=world, headroom=1.0)
             feats = np.random.default_rng(0).normal(size=(s.n_atoms, FEATURES)).astype(np.float32)
             x = ShardTensor.from_global(torch.tensor(feats, device=dev), plan)
-            with installed(adapter):
-                fd = lambda: op(x)  # noqa: E731
-                t_fd = cm.med(cm.time_calls(fd, warmup=warmup, iters=iters, sync=sync))
-                got = fd().to_local()
             ex = A2AExchange(plan, rank, dev, torch.float32)
             owned = torch.as_tensor(np.asarray(plan.to_owned(feats)).reshape(world, -1, FEATURES)[rank], device=dev)
             ref = lambda: ex.forward(ex.reverse(ex.forward(owned).clone()))  # noqa: E731
-            t_ref = cm.med(cm.time_calls(ref, warmup=warmup, iters=iters, sync=sync))
             n_pad = int(plan.n_owned[rank] + plan.n_ghost[rank])
-            same = bool(torch.allclose(got[:n_pad].float(), ref()[:n_pad], rtol=1e-5, atol=1e-5))
+            want = ref()[:n_pad]
+            times: dict[str, list[float]] = {name: [] for name in [*PATHS, "all_to_all_single"]}
+            chained: dict[str, list[float]] = {name: [] for name in times}
+            same: dict[str, bool] = {}
+            with installed(adapter):
+                fd = lambda: op(x)  # noqa: E731
+                for rnd in range(2):  # alternate the paths so that drift hits both alike
+                    for name, sync_on in [*PATHS.items(), ("all_to_all_single", None)]:
+                        call = ref if sync_on is None else fd
+                        with _host_sync(sync_on):
+                            n = iters // 2 if rnd == 0 else iters - iters // 2
+                            times[name] += cm.time_calls(call, warmup=warmup, iters=n, sync=sync)
+                            chained[name] += [t / CHAIN for t in cm.time_calls(
+                                _chain(call, CHAIN), warmup=1, iters=max(n // CHAIN, 2), sync=sync)]
+                            if rnd == 0:
+                                got = call()
+                                got = got.to_local() if sync_on is not None else got
+                                same[name] = bool(torch.allclose(got[:n_pad].float(), want, rtol=1e-5, atol=1e-5))
             stats = [None] * world
-            dist.all_gather_object(stats, (t_fd, t_ref, same, len(ex.send)))
+            mine = {k: (cm.med(times[k]), cm.med(chained[k]), same[k]) for k in times}
+            dist.all_gather_object(stats, (mine, len(ex.send)))
             if rep is not None:
-                t_fd, t_ref = max(r[0] for r in stats), max(r[1] for r in stats)
-                ok = all(r[2] for r in stats)
-                sent = max(r[3] for r in stats)
-                rep.row(rows, [s.n_atoms, f"{plan.owned_capacity} / {plan.halo_rows}", sent,
-                               cm.human_bytes(sent * FEATURES * 4), cm.us(t_fd), cm.us(t_ref),
-                               f"{t_fd / t_ref:.2f}", "yes" if ok else "NO"])
-                if not ok:
-                    rep.note(f"{s.n_atoms} atoms: the front door and the all_to_all reference disagree.")
-                    failures += 1
+                sent = max(r[1] for r in stats)
+                base = max(r[0]["all_to_all_single"][0] for r in stats)
+                for name in times:
+                    t_each = max(r[0][name][0] for r in stats)
+                    t_chain = max(r[0][name][1] for r in stats)
+                    ok = all(r[0][name][2] for r in stats)
+                    rep.row(rows, [s.n_atoms, f"{plan.owned_capacity} / {plan.halo_rows}", sent,
+                                   cm.human_bytes(sent * FEATURES * 4), name, cm.us(t_each), cm.us(t_chain),
+                                   f"{t_each / base:.2f}", "yes" if ok else "NO"])
+                    if not ok:
+                        rep.note(f"{s.n_atoms} atoms: {name} and the all_to_all reference disagree.")
+                        failures += 1
+                med = {k: (max(r[0][k][0] for r in stats), max(r[0][k][1] for r in stats)) for k in PATHS}
+                (before, after) = (med[k] for k in PATHS)
+                rep.note(f"{s.n_atoms} atoms: stream-ordered / host sync = {after[0] / before[0]:.2f} (sync each), "
+                         f"{after[1] / before[1]:.2f} (chain of {CHAIN}).")
         except Exception as e:  # noqa: BLE001 - record and go on (a one-rank failure ends in the launcher timeout)
             failures += 1
             msg = f"{s.n_atoms if 's' in locals() else '?'} atoms on rank {rank} FAILED - {type(e).__name__}: {e}"
@@ -195,6 +225,31 @@ def rank_main(a) -> int:
     dist.destroy_process_group()
     distributed.shutdown()
     return code if rank == 0 else (1 if failures else 0)
+
+
+@contextlib.contextmanager
+def _host_sync(on: bool | None) -> Iterator[None]:
+    """Set the front door's private host-sync switch inside the block (None: leave it as it is)."""
+    from nvalchemi_jaxbridge.torch import functions as F
+
+    old = F._HOST_SYNC
+    if on is not None:
+        F._HOST_SYNC = on
+    try:
+        yield
+    finally:
+        F._HOST_SYNC = old
+
+
+def _chain(fn: Callable[[], Any], n: int) -> Callable[[], Any]:
+    """`fn` called `n` times back to back; returns the last result (for the final synchronize)."""
+
+    def run() -> Any:
+        for _ in range(n - 1):
+            fn()
+        return fn()
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -232,11 +232,11 @@ def _call(ctx: PlanContext, program: Callable[[jax.Array], jax.Array], x: torch.
     # and its capsule holds a torch reference to the tensor, so torch cannot take
     # the memory back while that JAX array lives (tests/torch/test_stream_order.py
     # checks this). On CPU, PjRt also defers the release until the programs that
-    # read the buffer are done (checked by hand). On GPU it need not: under the
-    # compute-synchronized allocation model a buffer is released when its last
-    # array dies on the host, which is safe for XLA's own memory (its next user
-    # runs later on the same stream) but not for torch's, whose caching allocator
-    # hands a freed block to the next allocation on the block's stream at once.
+    # read the buffer are done (checked by hand). On GPU we cannot rely on that:
+    # PjRt's GPU client (compute-synchronized allocation) may release a buffer
+    # as soon as its last array dies on the host, safe for XLA's own memory (its
+    # next user runs later on the same stream) but not for torch's, whose caching
+    # allocator hands a freed block to the next allocation on its stream at once.
     #
     # So torch's memory may go back to torch only once torch's stream is ordered
     # behind the program. `jax_to_torch` (torch.from_dlpack) enqueues that order:
