@@ -1,6 +1,6 @@
 """Interconnect ceiling and halo exchange bandwidth on two devices.
 
-    PYTHONPATH=. python3 benchmarks/halo_exchange.py --out OUTDIR [--smoke]
+    PYTHONPATH=. python3 benchmarks/halo_exchange.py --out OUTDIR [--smoke] [--sizes 64K,16M,64M]
 
 Measures, for messages of 64 KiB .. 256 MiB per direction:
 1. the ceiling: torch `copy_` from device 0 to device 1 (CUDA events);
@@ -10,7 +10,12 @@ Measures, for messages of 64 KiB .. 256 MiB per direction:
    then forward, so twice the bytes), on synthetic `HaloTables` with one message
    per direction of exactly the target size;
 4. small messages (<= 1 MiB) both per dispatch (one program per exchange) and
-   inside one compiled program (`lax.fori_loop` of 100 exchanges, time / 100).
+   inside one compiled program (`lax.fori_loop` of 100 exchanges, time / 100);
+5. issue 7, before / after in the same run: the exchanges with the tables of
+   before (gather and scatter by `recv_slot`, `device_tables(..., blocks=False)`)
+   next to the block tables every layout `HaloPlan` now gets, on the synthetic
+   tables and on a layout `HaloPlan` of random atoms (two offsets, real send rows);
+   both implementations are checked to agree.
 
 GB/s are per direction (bytes one device sends / time), 1 GB = 1e9 B.
 """
@@ -18,6 +23,7 @@ GB/s are per direction (bytes one device sends / time), 1 GB = 1e9 B.
 from __future__ import annotations
 
 import sys
+import types
 
 import _common as cm
 import numpy as np
@@ -29,29 +35,35 @@ FEATURES = 4  # float32 per row: 16-byte rows, so every size is an exact number 
 AXIS = "atoms"
 
 
-def synthetic_tables(mesh, rows: int):
-    """HaloTables for 2 devices: device d sends its `rows` owned rows to 1 - d, one message each way."""
-    import jax.numpy as jnp  # noqa: F401 - backend already configured
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+def synthetic_tables(mesh, rows: int, *, blocks: bool = True):
+    """HaloTables for 2 devices: device d sends its `rows` owned rows to 1 - d, one message each way.
 
-    from nvalchemi_jaxbridge.lower import HaloTables
-    from nvalchemi_jaxbridge.lower.tables import place
+    `blocks=True` is what a layout `HaloPlan` gets (block tables); `blocks=False`
+    is the exchange before issue 7 (gather / scatter by `recv_slot`), kept for
+    the before/after comparison.
+    """
+    from nvalchemi_jaxbridge.lower.tables import device_tables
 
     d, oc, gc = 2, rows, rows + 1  # one inert padding row, as in a real plan
     hr = oc + gc
-    sh = NamedSharding(mesh, P(AXIS))
-    send = np.tile(np.arange(rows, dtype=np.int32), d)
-    recv = np.tile(oc + np.arange(rows, dtype=np.int32), d)
-    return HaloTables(
-        send_idx=(place(send, sh),), recv_slot=(place(recv, sh),),
-        halo_offset=place(np.zeros((d * hr, 3), np.float32), sh),
-        owned_offset=place(np.zeros((d * oc, 3), np.float32), sh),
-        owned_mask=place(np.ones(d * oc, bool), sh),
-        halo_owned_mask=place(np.tile(np.arange(hr) < oc, d), sh),
-        n_owned=place(np.full(d, oc, np.int32), sh), n_ghost=place(np.full(d, rows, np.int32), sh),
-        n_devices=d, owned_capacity=oc, ghost_capacity=gc, offsets=(1,), pair_capacities=(rows,),
+    plan = types.SimpleNamespace(  # the fields of a layout HaloPlan that device_tables reads
+        n_devices=d, owned_capacity=oc, ghost_capacity=gc, halo_rows=hr, offsets=(1,), pair_capacities=(rows,),
+        send_idx=(np.tile(np.arange(rows, dtype=np.int32), (d, 1)),),
+        recv_slot=(np.tile(oc + np.arange(rows, dtype=np.int32), (d, 1)),),
+        halo_offset=np.zeros((d, hr, 3), np.float32), owned_offset=np.zeros((d, oc, 3), np.float32),
+        owned_mask=np.ones((d, oc), bool), halo_owned_mask=np.tile(np.arange(hr) < oc, (d, 1)),
+        n_owned=np.full(d, oc, np.int32), n_ghost=np.full(d, rows, np.int32),
     )
+    return device_tables(plan, mesh, blocks=blocks)
+
+
+def realistic_plan(n_atoms: int):
+    """A layout HaloPlan of `n_atoms` random atoms in a periodic cube on 2 devices (offsets 0 and 1)."""
+    from nvalchemi_jaxbridge.layout import HaloPlan
+
+    side = 60.0 * (n_atoms / 160_000) ** (1 / 3)  # density 0.74 / A^3 as at 160k atoms in a 60 A cube
+    pos = np.random.default_rng(0).uniform(0.0, side, (n_atoms, 3))
+    return HaloPlan.build(pos, np.diag([side] * 3), cutoff=6.0, n_devices=2)
 
 
 def programs(mesh, tables, loop: int):
@@ -120,6 +132,19 @@ def torch_copy(nbytes: int, platform: str, warmup: int, iters: int) -> tuple[flo
     return cm.med(ts), "CUDA events"
 
 
+def _sizes(text: str) -> list[int]:
+    """'64K,16M' -> [65536, 16777216]."""
+    unit = {"K": cm.KIB, "M": cm.MIB}
+    return [int(t[:-1]) * unit[t[-1].upper()] if t[-1].upper() in unit else int(t) for t in text.split(",")]
+
+
+def _check_same(got, want, name: str) -> None:
+    """Raise if the two implementations of an exchange disagree (a section failure in the report)."""
+    got, want = np.asarray(got), np.asarray(want)
+    if not np.allclose(got, want, rtol=1e-6, atol=1e-6):
+        raise AssertionError(f"{name}: block tables and recv_slot scatter disagree by {np.abs(got - want).max():g}")
+
+
 def gbps(nbytes: float, seconds: float) -> float:
     """Decimal GB/s."""
     return nbytes / seconds / 1e9 if seconds == seconds and seconds > 0 else float("nan")
@@ -129,13 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     p = cm.base_parser(__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=None, help="timed calls per point (default 30, smoke 3)")
     p.add_argument("--loop", type=int, default=100, help="exchanges per program in the looped measurement")
+    p.add_argument("--sizes", type=_sizes, default=None, help="bytes per direction, e.g. 64K,16M (default: all)")
+    p.add_argument("--real-atoms", type=int, default=None, help="atoms of the realistic HaloPlan (default 160000)")
+    p.add_argument("--real-features", type=int, default=64, help="float32 per row in the realistic exchanges")
     a = p.parse_args(argv)
+    a.real_atoms = a.real_atoms or (4000 if a.smoke else 160_000)
     platform = cm.setup(a.platform)
     import jax
 
     from nvalchemi_jaxbridge.lower import make_mesh
+    from nvalchemi_jaxbridge.lower.tables import device_tables
 
-    sizes = SMOKE_SIZES if a.smoke else SIZES
+    sizes = a.sizes or (SMOKE_SIZES if a.smoke else SIZES)
     iters = a.iters or (3 if a.smoke else 30)
     warmup = 1 if a.smoke else 5
     loop = 5 if a.smoke else a.loop
@@ -162,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
                      ["bytes/dir", "exchange", "time (us)", "GB/s per dir", "/ ceiling", "/ bare ppermute"])
     lrows = rep.table(f"Small exchanges inside one program (fori_loop of {loop})",
                       ["bytes/dir", "exchange", "time per exchange (us)", "per dispatch (us)", "GB/s per dir"])
+    brows = rep.table(
+        "Issue 7: local work around the ppermutes, before (gather / scatter by recv_slot) and after "
+        "(block tables: dynamic_slice / dynamic_update_slice), same run",
+        ["bytes/dir", "exchange", "before (us)", "after (us)", "before / after", "before / bare ppermute",
+         "after / bare ppermute", "looped before (us)", "looped after (us)"])
     for s in sizes:
         with rep.section(f"exchanges at {cm.human_bytes(s)}"):
             n_rows = s // (4 * FEATURES)
@@ -191,7 +226,51 @@ def main(argv: list[str] | None = None) -> int:
                     looped[name, s] = t
                     rep.row(lrows, [cm.human_bytes(s), name, cm.us(t), cm.us(per_call[name, s]),
                                     f"{gbps(moved[name], t):.2f}"])
-            del tables, xo, xh, one, many
+            # issue 7: the same exchanges with the tables of before (scatter / gather by recv_slot)
+            before = synthetic_tables(mesh, n_rows, blocks=False)
+            one_b, many_b = programs(mesh, before, loop)
+            args_b = {"GatherInputs": (before, xo), "reverse": (before, xh), "ScatterOutputs": (before, xh)}
+            lb = {}
+            for name in ("GatherInputs", "reverse", "ScatterOutputs"):
+                _check_same(one[name](*args[name]), one_b[name](*args_b[name]), name)
+                tb = cm.med(cm.time_jax(lambda: one_b[name](*args_b[name]), warmup=warmup, iters=iters))
+                if s <= LOOP_MAX:
+                    lb[name] = cm.med(cm.time_jax(lambda: many_b[name](*args_b[name]), warmup=max(1, warmup // 2),
+                                                  iters=max(2, iters // 3))) / loop
+                    if name == "reverse":
+                        lb[name] -= lb["GatherInputs"]
+                ta = per_call[name, s]
+                rep.row(brows, [cm.human_bytes(s), name, cm.us(tb), cm.us(ta), f"{tb / ta:.2f}",
+                                f"{bare[s] / tb * moved[name] / s:.2f}", f"{bare[s] / ta * moved[name] / s:.2f}",
+                                cm.us(lb.get(name, float("nan"))), cm.us(looped.get((name, s), float("nan")))])
+            del tables, before, xo, xh, one, many, one_b, many_b
+
+    real_rows = rep.table(
+        f"Issue 7 on a layout HaloPlan ({a.real_atoms} random atoms, periodic cube, cutoff 6, "
+        f"{a.real_features} x float32 per row), before / after",
+        ["exchange", "message rows per offset", "MiB sent per device", "before (us)", "after (us)",
+         "before / after"])
+    with rep.section("realistic HaloPlan before/after"):
+        plan = realistic_plan(a.real_atoms)
+        rep.note(f"Realistic plan: {plan.describe(a.real_features, 4).splitlines()[2].strip()}, "
+                 f"ghosts per device {plan.n_ghost.tolist()}.")
+        after, before = device_tables(plan, mesh), device_tables(plan, mesh, blocks=False)
+        assert after.blocks and not before.blocks
+        sent = sum(plan.pair_capacities) * a.real_features * 4 / cm.MIB
+        sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS))
+        rng = np.random.default_rng(1)
+        xo = jax.device_put(rng.normal(size=(2 * plan.owned_capacity, a.real_features)).astype(np.float32), sh)
+        xh = jax.device_put(rng.normal(size=(2 * plan.halo_rows, a.real_features)).astype(np.float32), sh)
+        one_a, _ = programs(mesh, after, loop)
+        one_b, _ = programs(mesh, before, loop)
+        want = plan.reference_forward(np.asarray(xo))
+        np.testing.assert_allclose(np.asarray(one_a["GatherInputs"](after, xo)), want, rtol=0, atol=0)
+        for name, x in (("GatherInputs", xo), ("reverse", xh), ("ScatterOutputs", xh)):
+            _check_same(one_a[name](after, x), one_b[name](before, x), name)
+            tb = cm.med(cm.time_jax(lambda: one_b[name](before, x), warmup=warmup, iters=iters))
+            ta = cm.med(cm.time_jax(lambda: one_a[name](after, x), warmup=warmup, iters=iters))
+            rep.row(real_rows, [name, str(dict(zip(plan.offsets, plan.pair_capacities))), f"{sent:.1f}",
+                                cm.us(tb), cm.us(ta), f"{tb / ta:.2f}"])
 
     with rep.section("targets"):
         big = [s for s in sizes if s >= 16 * cm.MIB and s in ceiling and ("GatherInputs", s) in per_call]

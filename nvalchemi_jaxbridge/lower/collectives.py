@@ -12,6 +12,15 @@ Table padding conventions (docs/design.md, "Exchange tables"): unused
 `send_idx` entries are `owned_capacity` and unused `recv_slot` entries are
 `halo_rows`; both are out of range, so padding gathers zeros and scatters
 nothing. Owned-storage rows past `n_owned` are treated as zero everywhere.
+
+Block path (`t.blocks`, every table from a layout `HaloPlan`): the rows one
+device receives for one offset fill one contiguous run of halo rows, so the
+receiver adds the whole message into rows `recv_start .. recv_start + cap` with
+a `dynamic_update_slice` (and the reverse reads them back with a
+`dynamic_slice`) instead of a scatter / gather by `recv_slot`. The sender orders
+its rows by `send_block` so that each lands on its slot; the block's other rows
+are padding entries and carry zeros, so adding them changes nothing, whatever
+the order of the offsets and wherever the block overlaps other ghost groups.
 """
 
 from __future__ import annotations
@@ -46,6 +55,18 @@ def _mask_rows(x: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
+def _add_block(out: jax.Array, msg: jax.Array, start: jax.Array) -> jax.Array:
+    """`out` with `msg` added into rows `start[0] ..`; the tables keep the block inside `out`."""
+    at = (start[0],) + (jnp.zeros((), start.dtype),) * (out.ndim - 1)
+    return jax.lax.dynamic_update_slice(out, jax.lax.dynamic_slice(out, at, msg.shape) + msg, at)
+
+
+def _read_block(x: jax.Array, start: jax.Array, rows: int) -> jax.Array:
+    """Rows `start[0] .. start[0] + rows` of `x`."""
+    at = (start[0],) + (jnp.zeros((), start.dtype),) * (x.ndim - 1)
+    return jax.lax.dynamic_slice(x, at, (rows,) + x.shape[1:])
+
+
 def _check_rows(fn: str, x: jax.Array, rows: int, what: str) -> None:
     """Raise if the local block `x` does not have `rows` rows."""
     if x.ndim == 0 or x.shape[0] != rows:
@@ -71,6 +92,13 @@ def halo_forward(x_owned: jax.Array, t: HaloTables, axis: str, *, positions: boo
     _check_rows("halo_forward", x_owned, t.owned_capacity, "owned storage")
     zeros = jnp.zeros((t.ghost_capacity,) + x_owned.shape[1:], x_owned.dtype)
     out = jnp.concatenate([_mask_rows(x_owned, t.owned_mask), zeros], axis=0)
+    if t.blocks:  # the shift goes in first: the blocks are added on top, in one pass with the copy
+        if positions:
+            out = out + t.halo_offset.astype(out.dtype)
+        for k, send, start, cap in zip(t.offsets, t.send_block, t.recv_start, t.pair_capacities):
+            msg = jnp.take(x_owned, send, axis=0, mode="fill", fill_value=0)
+            out = _add_block(out, _send(msg, axis, t.n_devices, _perm(t.n_devices, k)), start)
+        return out
     for k, send_idx, recv_slot in zip(t.offsets, t.send_idx, t.recv_slot):
         msg = jnp.take(x_owned, send_idx, axis=0, mode="fill", fill_value=0)
         msg = _send(msg, axis, t.n_devices, _perm(t.n_devices, k))
@@ -95,6 +123,11 @@ def halo_reverse(x_halo: jax.Array, t: HaloTables, axis: str) -> jax.Array:
     """
     _check_rows("halo_reverse", x_halo, t.halo_rows, "halo storage")
     out = _mask_rows(x_halo[: t.owned_capacity], t.owned_mask)
+    if t.blocks:
+        for k, send, start, cap in zip(t.offsets, t.send_block, t.recv_start, t.pair_capacities):
+            msg = _send(_read_block(x_halo, start, cap), axis, t.n_devices, _inverse(t.n_devices, k))
+            out = out.at[send].add(msg, mode="drop")
+        return out
     for k, send_idx, recv_slot in zip(t.offsets, t.send_idx, t.recv_slot):
         msg = jnp.take(x_halo, recv_slot, axis=0, mode="fill", fill_value=0)
         msg = _send(msg, axis, t.n_devices, _inverse(t.n_devices, k))

@@ -29,6 +29,15 @@ class HaloTables:
     `halo_offset`: `(D * halo_rows, 3)`; `owned_offset`: `(D * owned_capacity, 3)`;
     `owned_mask`: `(D * owned_capacity,)` bool; `halo_owned_mask`: `(D * halo_rows,)` bool;
     `n_owned`, `n_ghost`: `(D,)` int32.
+
+    Block tables (docs/design.md, "Exchange tables"), present when `blocks` is
+    True: `recv_start[j]`: `(D,)` int32, the halo row where device `d` adds the
+    whole `pair_capacities[j]`-row message of offset `offsets[j]`, chosen so the
+    block never runs past `halo_rows`; `send_block[j]`: `(D * pair_capacities[j],)`
+    int32, the sender's rows in the order that puts each received row on its
+    slot (padding `owned_capacity`). They are built by `device_tables` when every
+    message lands in one contiguous run of halo rows (always so for a layout
+    `HaloPlan`); otherwise `blocks` is False and the exchanges scatter by `recv_slot`.
     """
 
     send_idx: tuple[jax.Array, ...]
@@ -44,6 +53,17 @@ class HaloTables:
     ghost_capacity: int
     offsets: tuple[int, ...]
     pair_capacities: tuple[int, ...]
+    recv_start: tuple[jax.Array, ...] = ()
+    send_block: tuple[jax.Array, ...] = ()
+    blocks: bool = False
+
+    def __post_init__(self):
+        if self.blocks and not (len(self.recv_start) == len(self.send_block) == len(self.offsets)):
+            raise ValueError(
+                f"HaloTables: blocks=True needs one recv_start and one send_block per offset "
+                f"({len(self.offsets)}), got {len(self.recv_start)} and {len(self.send_block)}; "
+                "build the tables with device_tables(plan, mesh)."
+            )
 
     @property
     def halo_rows(self) -> int:
@@ -54,13 +74,14 @@ class HaloTables:
     def static_key(self) -> tuple:
         """What a compiled program depends on: capacities and offsets, not table contents."""
         return ("halo", self.n_devices, self.owned_capacity, self.ghost_capacity,
-                self.offsets, self.pair_capacities)
+                self.offsets, self.pair_capacities, self.blocks)
 
     def specs(self, axis: str) -> HaloTables:
         """The same pytree with a `PartitionSpec` in place of every array (for `in_specs`)."""
         s = P(axis)
         return dataclasses.replace(
             self, send_idx=tuple(s for _ in self.send_idx), recv_slot=tuple(s for _ in self.recv_slot),
+            recv_start=tuple(s for _ in self.recv_start), send_block=tuple(s for _ in self.send_block),
             halo_offset=s, owned_offset=s, owned_mask=s, halo_owned_mask=s, n_owned=s, n_ghost=s)
 
 
@@ -95,8 +116,8 @@ class ShardTables:
 jax.tree_util.register_dataclass(
     HaloTables,
     data_fields=["send_idx", "recv_slot", "halo_offset", "owned_offset", "owned_mask",
-                 "halo_owned_mask", "n_owned", "n_ghost"],
-    meta_fields=["n_devices", "owned_capacity", "ghost_capacity", "offsets", "pair_capacities"],
+                 "halo_owned_mask", "n_owned", "n_ghost", "recv_start", "send_block"],
+    meta_fields=["n_devices", "owned_capacity", "ghost_capacity", "offsets", "pair_capacities", "blocks"],
 )
 jax.tree_util.register_dataclass(
     ShardTables,
@@ -125,21 +146,27 @@ def place(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
-def device_tables(plan: Any, mesh: Mesh) -> Tables:
+def device_tables(plan: Any, mesh: Mesh, *, blocks: bool | None = None) -> Tables:
     """A plan's tables as sharded `jax.Array`s on `mesh` (`HaloTables` or `ShardTables`).
 
     Args:
         plan: a `HaloPlan` or `ShardPlan` from the layout layer, built for as
-            many devices as the mesh has.
+            many devices as the mesh has (or an object with the same fields).
         mesh: a 1-D mesh from `make_mesh`.
+        blocks: halo plans only. Whether the exchanges move each message as one
+            block of halo rows (`HaloTables.blocks`). `None` (default): yes for a
+            layout `HaloPlan` whose pair capacities do not exceed `halo_rows`,
+            no for other objects, so that every plan of one static shape gives
+            tables of one pytree type; `True`: required (raises if a message
+            does not land in one contiguous run); `False`: scatter by `recv_slot`.
 
     Returns:
         `HaloTables` for a halo plan, `ShardTables` for a shard plan.
 
     Raises:
-        TypeError: `plan` is neither kind.
-        ValueError: the plan's device count differs from the mesh's, or a table
-            has the wrong shape.
+        TypeError: `plan` is neither kind, or `blocks` is given for a shard plan.
+        ValueError: the plan's device count differs from the mesh's, a table
+            has the wrong shape, or block tables were asked for and cannot be built.
     """
     axis = mesh_axis(mesh)
     d = int(mesh.shape[axis])
@@ -159,8 +186,12 @@ def device_tables(plan: Any, mesh: Mesh) -> Tables:
         )
     sharded = NamedSharding(mesh, P(axis))
     if kind == "ShardPlan":
+        if blocks is not None:
+            raise TypeError(
+                f"device_tables: blocks={blocks!r} applies to halo plans only, got a ShardPlan; leave it out."
+            )
         return _shard_tables(plan, d, mesh, sharded)
-    return _halo_tables(plan, d, sharded)
+    return _halo_tables(plan, d, sharded, blocks)
 
 
 def _flat(name: str, a: Any, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -175,7 +206,7 @@ def _flat(name: str, a: Any, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return a.astype(dtype).reshape((shape[0] * shape[1],) + shape[2:])
 
 
-def _halo_tables(plan: Any, d: int, sharded: NamedSharding) -> HaloTables:
+def _halo_tables(plan: Any, d: int, sharded: NamedSharding, blocks: bool | None) -> HaloTables:
     """HaloTables from a HaloPlan."""
     oc, gc = int(plan.owned_capacity), int(plan.ghost_capacity)
     hr = oc + gc
@@ -191,9 +222,24 @@ def _halo_tables(plan: Any, d: int, sharded: NamedSharding) -> HaloTables:
     fdt = np.asarray(plan.halo_offset).dtype
     i32 = np.int32
     put = lambda a: place(a, sharded)  # noqa: E731
+    sends = [_flat("send_idx", s, (d, c), i32).reshape(d, c) for s, c in zip(plan.send_idx, caps)]
+    recvs = [_flat("recv_slot", r, (d, c), i32).reshape(d, c) for r, c in zip(plan.recv_slot, caps)]
+    if blocks is None:
+        from ..layout.halo_plan import HaloPlan
+
+        blocks = isinstance(plan, HaloPlan) and all(c <= hr for c in caps)
+        where = "the HaloPlan's tables break the layout's contiguous ghost groups (a bug; please report it)"
+    else:
+        where = "device_tables(blocks=True)"
+    made = _block_tables(sends, recvs, offsets, d, oc, hr) if blocks else None
+    if isinstance(made, str):
+        raise ValueError(f"{where}: {made}; pass blocks=False to exchange by scattering into recv_slot.")
     return HaloTables(
-        send_idx=tuple(put(_flat("send_idx", s, (d, c), i32)) for s, c in zip(plan.send_idx, caps)),
-        recv_slot=tuple(put(_flat("recv_slot", r, (d, c), i32)) for r, c in zip(plan.recv_slot, caps)),
+        send_idx=tuple(put(s.ravel()) for s in sends),
+        recv_slot=tuple(put(r.ravel()) for r in recvs),
+        recv_start=tuple(put(st) for st, _ in made or ()),
+        send_block=tuple(put(sb.ravel()) for _, sb in made or ()),
+        blocks=made is not None,
         halo_offset=put(_flat("halo_offset", plan.halo_offset, (d, hr, 3), fdt)),
         owned_offset=put(_flat("owned_offset", plan.owned_offset, (d, oc, 3), fdt)),
         owned_mask=put(_flat("owned_mask", plan.owned_mask, (d, oc), bool)),
@@ -202,6 +248,43 @@ def _halo_tables(plan: Any, d: int, sharded: NamedSharding) -> HaloTables:
         n_ghost=put(np.asarray(plan.n_ghost, dtype=i32).reshape(d)),
         n_devices=d, owned_capacity=oc, ghost_capacity=gc, offsets=offsets, pair_capacities=caps,
     )
+
+
+def _block_tables(
+    sends: list[np.ndarray], recvs: list[np.ndarray], offsets: tuple[int, ...], d: int, oc: int, hr: int
+) -> list[tuple[np.ndarray, np.ndarray]] | str:
+    """Per offset `(recv_start (D,), send_block (D, cap))`, or why a message is not one block.
+
+    A message entry moves a row only when its send index is in `[0, oc)` and its
+    slot in `[0, hr)` (other entries gather zero or are dropped). If the slots
+    that move rows are distinct and consecutive, from `lo`, the receiver adds the
+    whole message block at `start = min(lo, hr - cap)` (so the block ends inside
+    the halo rows), and the sender puts the row for slot `start + i` at position
+    `i`, padding elsewhere: the other block rows carry zeros and add nothing.
+    """
+    out = []
+    for k, send, recv in zip(offsets, sends, recvs):
+        cap = send.shape[1]
+        if cap > hr:
+            return f"offset {k} has pair capacity {cap} > halo_rows={hr}, so its block does not fit"
+        if (send < 0).any() or (recv < 0).any():
+            return f"offset {k} has negative send_idx / recv_slot entries (padding is owned_capacity / halo_rows)"
+        start = np.zeros(d, np.int32)
+        block = np.full((d, cap), oc, np.int32)
+        for dst in range(d):
+            src = (dst - k) % d
+            moves = (send[src] < oc) & (recv[dst] < hr)
+            rows, slots = send[src][moves], recv[dst][moves]
+            if slots.size == 0:
+                continue
+            lo = int(slots.min())
+            if int(slots.max()) - lo + 1 != slots.size or np.unique(slots).size != slots.size:
+                return (f"device {dst} receives the rows of offset {k} into halo rows {sorted(slots.tolist())[:8]}"
+                        f"{'...' if slots.size > 8 else ''}, not one run of distinct consecutive rows")
+            start[dst] = min(lo, hr - cap)
+            block[src, slots - start[dst]] = rows
+        out.append((start, block))
+    return out
 
 
 def _shard_tables(plan: Any, d: int, mesh: Mesh, sharded: NamedSharding) -> ShardTables:
