@@ -151,19 +151,26 @@ def _assemble(
         send_idx.append(_readonly(send))
         recv_slot.append(_readonly(slot))
 
-    # Parking points: a cubic lattice beyond every atom and ghost, 4 * reach apart.
-    reach = cutoff + skin
-    shift = halo_image @ basis
+    # Every real halo row is moved into the wrapped frame: its wrapped-frame image minus the atom's
+    # unwrap frame (owned rows: image 0, so an atom outside the cell is shifted back into it).
     valid = halo_global >= 0
-    real = np.concatenate([pos, pos[halo_global[valid]] + shift[valid]]) if n_atoms else np.zeros((1, 3))
-    base = real.max(axis=0) + 4.0 * reach
+    shift = np.zeros((d, hr, 3))
+    shift[valid] = (halo_image[valid] - part.frame[halo_global[valid]]) @ basis
+
+    # Parking points: a cubic lattice beyond every atom and ghost, 4 * reach apart. The halo block's
+    # lie beyond its wrapped-frame rows only (so they do not depend on the caller's images); owned
+    # storage holds the caller's coordinates, so its parking lies beyond those too.
+    reach = cutoff + skin
+    real = pos[halo_global[valid]] + shift[valid] if n_atoms else np.zeros((1, 3))
+    halo_base = real.max(axis=0) + 4.0 * reach
+    owned_base = np.maximum(halo_base, pos.max(axis=0, initial=-np.inf) + 4.0 * reach)
     side = math.ceil(round(max(hr, oc) ** (1.0 / 3.0), 9))
     n_padded = n_owned + n_ghost
-    halo_offset = np.where(valid[..., None], shift, 0.0)
+    halo_offset = shift
     owned_offset = np.zeros((d, oc, 3))
     for r in range(d):
-        halo_offset[r, n_padded[r] :] = _parking(hr - n_padded[r], base, 4.0 * reach, side)
-        owned_offset[r, n_owned[r] :] = _parking(oc - n_owned[r], base, 4.0 * reach, side)
+        halo_offset[r, n_padded[r] :] = _parking(hr - n_padded[r], halo_base, 4.0 * reach, side)
+        owned_offset[r, n_owned[r] :] = _parking(oc - n_owned[r], owned_base, 4.0 * reach, side)
 
     return dict(
         n_devices=d, n_atoms=n_atoms, cutoff=cutoff, skin=skin, cell=_readonly(cell.copy()), periodic=periodic,
@@ -173,7 +180,7 @@ def _assemble(
         halo_global=_readonly(halo_global), send_idx=tuple(send_idx), recv_slot=tuple(recv_slot),
         halo_offset=_readonly(halo_offset), owned_offset=_readonly(owned_offset),
         reference_positions=_readonly(pos.copy()), headroom=headroom, basis=_readonly(basis),
-        halo_image=_readonly(halo_image), grown=tuple(grown),
+        halo_image=_readonly(halo_image), frame=_readonly(part.frame.copy()), grown=tuple(grown),
     )
 
 

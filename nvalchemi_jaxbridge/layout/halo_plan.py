@@ -8,13 +8,17 @@ row (row `n_padded` is the "+1" pad row). Within one source rank's group,
 direct ghosts come first by ascending owned-row index on the sender, then
 shifted images by owned-row index and lattice shift.
 
-Coordinates: owned rows hold the caller's positions as given (wrapped or
-not); a ghost row holds the caller's position of its atom plus
-`halo_offset = image @ cell`. Ghost images are chosen relative to the caller's
-coordinates of the owned atoms, so displacements between halo rows are right
-even when atoms lie outside the cell. If the caller re-wraps an atom (moves it
-by a lattice vector) the stored shifts no longer apply: `needs_rebuild` then
-returns True.
+Coordinates: owned storage holds the caller's positions as given (wrapped
+or not). Ownership and ghosts are decided on the positions wrapped into the
+cell (periodic axes), so any periodic image of an atom gives the same plan. In
+the halo block every real row, owned or ghost, is in that wrapped frame: a row
+holds the caller's position of its atom plus
+`halo_offset = (halo_image - frame[atom]) @ cell`, where `frame` is the atom's
+unwrap frame `floor(frac)` at build time and `halo_image` the row's lattice
+shift from the wrapped position (0 on owned rows). Only relative positions
+enter a cutoff kernel, so energies and forces are those of the caller's
+coordinates. If the caller re-wraps an atom (moves it by a lattice vector)
+the stored shifts no longer apply: `needs_rebuild` then returns True.
 """
 
 from __future__ import annotations
@@ -51,13 +55,17 @@ class HaloPlan:
         halo_global: `(D, hr)` int64 global atom id per halo row, -1 for padding.
         send_idx: per offset `(D, pair_capacity)` int32 owned-row index to send; padding = `oc`.
         recv_slot: per offset `(D, pair_capacity)` int32 halo row to fill; padding = `hr`.
-        halo_offset: `(D, hr, 3)` added to gathered positions: image shift (ghosts), parking point
-            (padding, whose gathered value is zero), 0 (owned rows).
+        halo_offset: `(D, hr, 3)` added to gathered positions: the shift into the wrapped frame
+            `(halo_image - frame[atom]) @ cell` (owned and ghost rows; 0 for an owned atom already
+            inside the cell), the parking point (padding, whose gathered value is zero).
         owned_offset: `(D, oc, 3)` parking point for owned padding rows, 0 otherwise.
         reference_positions: `(N, 3)` positions the plan was built from.
         headroom: relative headroom used when a capacity is chosen or grown.
         basis: `(3, 3)` lattice for fractional coordinates (`cell` with zero non-periodic rows filled).
-        halo_image: `(D, hr, 3)` int64 integer lattice shift of each halo row.
+        halo_image: `(D, hr, 3)` int64 lattice shift of each halo row from its atom's wrapped
+            position (0 on owned rows and direct ghosts).
+        frame: `(N, 3)` int64 unwrap frame `floor(frac)` of each atom at build time (periodic
+            axes; 0 elsewhere): caller position = wrapped position + `frame @ cell`.
         grown: names of capacities that `build`/`rebuild` had to enlarge beyond the requested ones.
     """
 
@@ -84,6 +92,7 @@ class HaloPlan:
     headroom: float
     basis: np.ndarray
     halo_image: np.ndarray
+    frame: np.ndarray
     grown: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ build
@@ -108,7 +117,8 @@ class HaloPlan:
         """Partition `positions` over `n_devices` spatial domains and lay out their halo rows.
 
         Args:
-            positions: `(N, 3)` Cartesian positions (the caller's coordinates, wrapped or not).
+            positions: `(N, 3)` Cartesian positions (the caller's coordinates, wrapped or not: any
+                periodic image of an atom gives the same ownership and ghosts).
             cell: `(3, 3)` lattice vectors as rows. A row may be zero on a non-periodic axis.
             periodic: periodic flag per lattice axis.
             cutoff: interaction cutoff (> 0).
@@ -306,7 +316,8 @@ class HaloPlan:
     def to_halo(self, x_global: np.ndarray, *, positions: bool = False) -> np.ndarray:
         """Per-atom values in halo storage `(D * halo_rows, ...)`: owned rows, ghost copies, padding.
 
-        With `positions=True` ghost rows are image-shifted and padding rows parked.
+        With `positions=True` owned and ghost rows are shifted into the wrapped frame
+        (`halo_offset`) and padding rows parked.
         """
         x = self._check_global(x_global, "to_halo", positions)
         return self._layout(x, self.halo_global, self.halo_offset, positions)
@@ -324,7 +335,8 @@ class HaloPlan:
 
         Owned padding rows are zeroed, each device keeps its owned rows and
         receives, for every offset `k`, the rows `send_idx` of rank `d - k` into
-        its `recv_slot`s. With `positions=True`, `halo_offset` is added.
+        its `recv_slot`s. With `positions=True`, `halo_offset` is added to every row
+        (owned and ghost rows then lie in the wrapped frame).
         """
         x = self._check_rows(x_owned, self.owned_capacity, "reference_forward", "owned")
         d, oc, hr = self.n_devices, self.owned_capacity, self.halo_rows
@@ -387,6 +399,8 @@ class HaloPlan:
             f"  one exchange of {features} x {itemsize}-byte floats: {true_bytes} bytes of ghosts, "
             f"{padded_bytes} bytes sent with padding",
         ]
+        if unwrapped := int(np.count_nonzero(self.frame.any(axis=1))):
+            lines.append(f"  atoms given outside the cell: {unwrapped} (shifted into it in the halo block)")
         if self.grown:
             lines.append(f"  grown to fit: {', '.join(self.grown)}")
         return "\n".join(lines)

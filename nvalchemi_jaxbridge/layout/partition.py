@@ -2,19 +2,19 @@
 
 Geometry is done in fractional coordinates `s = x @ inv(basis)`, where `basis`
 is the cell with zero rows of non-periodic axes filled in (see
-`effective_cell`). A periodic axis is cut into `n_k` equal slices of the wrapped
-coordinate `s_k mod 1`; a non-periodic axis into `n_k` equal slices of the atoms'
-extent along it.
+`effective_cell`). On periodic axes every atom is first wrapped into the cell:
+`frame = floor(s)` is its unwrap frame and `w = s - frame` its wrapped
+coordinate (non-periodic axes: `frame = 0`, `w = s`). Ownership and the ghost
+search use `w` only, so the result does not depend on which periodic image the
+caller passed. A periodic axis is cut into `n_k` equal slices of `w_k`; a
+non-periodic axis into `n_k` equal slices of the atoms' extent along it.
 
-Ghosts are found per *frame*: the owned atoms of a domain that share the same
-integer unwrap `floor(s)` on the periodic axes (one frame when every atom lies
-inside the cell). For each frame, every atom image `s_j + t` (integer `t` on
-periodic axes, `t = 0` otherwise) inside the frame's fractional bounding box,
-widened by `reach * |reciprocal row k|` on axis `k`, is a ghost, except an
-owned atom at `t = 0` (that is its owned row). The widening is a conservative
-superset of "within `reach` of an owned atom", so the owner of an atom sees
-every partner within `reach`, under every periodic image, at the caller's
-coordinates of the partner plus `t @ cell`.
+For each rank, every image `w_j + t` (integer `t` on periodic axes, `t = 0`
+otherwise) inside the fractional bounding box of its owned atoms, widened by
+`reach * |reciprocal row k|` on axis `k`, is a ghost, except an owned atom at
+`t = 0` (that is its owned row). The widening is a conservative superset of
+"within `reach` of an owned atom", so the owner of an atom sees every partner
+within `reach`, under every periodic image, in the wrapped frame.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ class Partition:
 
     grid: tuple[int, int, int]
     owner: np.ndarray  # (N,) int64 rank of each atom
+    frame: np.ndarray  # (N, 3) int64 unwrap frame floor(s) on periodic axes, 0 elsewhere
     ghost_atom: tuple[np.ndarray, ...]  # per rank: (G_d,) int64 global atom id
-    ghost_image: tuple[np.ndarray, ...]  # per rank: (G_d, 3) int64 lattice shift of the image
+    ghost_image: tuple[np.ndarray, ...]  # per rank: (G_d, 3) int64 lattice shift from the wrapped position
 
 
 def effective_cell(cell: np.ndarray, periodic: tuple[bool, bool, bool], positions: np.ndarray) -> np.ndarray:
@@ -122,34 +123,23 @@ def _images_in_box(
 
 
 def find_ghosts(
-    frac: np.ndarray,
+    wrapped: np.ndarray,
     periodic: tuple[bool, bool, bool],
     owner: np.ndarray,
-    frame: np.ndarray,
     n_ranks: int,
     margin: np.ndarray,
 ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
-    """Ghost images per rank: `(atom ids, lattice shifts)`, unordered and without duplicates."""
+    """Ghost images per rank from wrapped coordinates: `(atom ids, lattice shifts)`, without duplicates."""
     margin = margin * (1.0 + _MARGIN_EPS) + _MARGIN_EPS
-    keys = np.concatenate([owner[:, None], frame], axis=1)
-    groups, inverse = np.unique(keys, axis=0, return_inverse=True) if len(keys) else (keys, owner)
-    inverse = np.asarray(inverse).reshape(-1)
-    per_rank: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n_ranks)]
-    for g, key in enumerate(groups):
-        members = frac[inverse == g]
-        lo, hi = members.min(axis=0) - margin, members.max(axis=0) + margin
-        per_rank[int(key[0])].append(_images_in_box(frac, lo, hi, periodic))
     atoms_out, images_out = [], []
-    for rank, found in enumerate(per_rank):
-        if not found:
+    for rank in range(n_ranks):
+        members = wrapped[owner == rank]
+        if len(members) == 0:
             atoms_out.append(np.zeros(0, dtype=np.int64))
             images_out.append(np.zeros((0, 3), dtype=np.int64))
             continue
-        atom = np.concatenate([a for a, _ in found])
-        image = np.concatenate([t for _, t in found])
-        if len(found) > 1:  # frames of one rank may overlap
-            both = np.unique(np.concatenate([atom[:, None], image], axis=1), axis=0)
-            atom, image = both[:, 0], both[:, 1:]
+        lo, hi = members.min(axis=0) - margin, members.max(axis=0) + margin
+        atom, image = _images_in_box(wrapped, lo, hi, periodic)
         keep = ~((owner[atom] == rank) & ~image.any(axis=1))  # an owned atom at t = 0 is its owned row
         atoms_out.append(atom[keep])
         images_out.append(image[keep])
@@ -163,10 +153,10 @@ def partition(
     grid: tuple[int, int, int],
     reach: float,
 ) -> Partition:
-    """Owners and ghost images for `positions` (caller's coordinates) on `grid`.
+    """Owners, unwrap frames and ghost images (relative to wrapped positions) for `positions` on `grid`.
 
     Args:
-        positions: `(N, 3)` Cartesian positions, wrapped or not.
+        positions: `(N, 3)` Cartesian positions, wrapped or not (the result is the same).
         basis: `(3, 3)` non-singular lattice (see `effective_cell`).
         periodic: periodic flag per lattice axis.
         grid: `(nx, ny, nz)` domains per axis.
@@ -180,5 +170,5 @@ def partition(
     owner, frame = assign_owners(frac, periodic, grid)
     margin = reach * np.linalg.norm(inv, axis=0)
     n_ranks = grid[0] * grid[1] * grid[2]
-    atoms, images = find_ghosts(frac, periodic, owner, frame, n_ranks, margin)
-    return Partition(grid=tuple(grid), owner=owner, ghost_atom=atoms, ghost_image=images)
+    atoms, images = find_ghosts(frac - frame, periodic, owner, n_ranks, margin)
+    return Partition(grid=tuple(grid), owner=owner, frame=frame, ghost_atom=atoms, ghost_image=images)

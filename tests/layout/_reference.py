@@ -41,22 +41,28 @@ def brute_force_pairs(pos: np.ndarray, cell: np.ndarray, periodic, cutoff: float
 
 
 def assert_pairs_covered(plan, pos: np.ndarray, cell: np.ndarray, cutoff: float) -> int:
-    """Every pair within `cutoff` appears in the halo of the first atom's owner at `pos[i] + displacement`.
+    """Every pair within `cutoff` appears in the halo of the first atom's owner, at the right displacement.
 
-    Returns the number of ordered pairs checked.
+    The halo block may hold the atoms in another periodic frame than `pos`, so
+    the pair `(i, j, t)` must appear as a row of `j` at `p_i + (pos[j] + t @ cell - pos[i])`,
+    where `p_i` is the owned halo row of `i`. Returns the number of ordered pairs checked.
     """
     owner = np.full(len(pos), -1)
     for d in range(plan.n_devices):
         ids = plan.owned_global[d][plan.owned_global[d] >= 0]
         owner[ids] = d
     halo_pos = plan.to_halo(pos, positions=True).reshape(plan.n_devices, plan.halo_rows, 3)
+    n_owned = [int((plan.owned_global[d] >= 0).sum()) for d in range(plan.n_devices)]
+    own_row = np.zeros((len(pos), 3))
+    for d in range(plan.n_devices):
+        own_row[plan.halo_global[d, : n_owned[d]]] = halo_pos[d, : n_owned[d]]
     quantum = 1e-6
     rows = [
         {(int(g), *np.round(p / quantum).astype(np.int64).tolist()) for g, p in zip(plan.halo_global[d], halo_pos[d]) if g >= 0}
         for d in range(plan.n_devices)
     ]
     i, j, t = brute_force_pairs(pos, cell, plan.periodic, cutoff)
-    target = pos[j] + t @ cell  # = pos[i] + displacement
+    target = own_row[i] + (pos[j] + t @ cell - pos[i])
     for a, b, x in zip(i, j, target):
         d = owner[a]
         if (int(b), *np.round(x / quantum).astype(np.int64).tolist()) in rows[d]:

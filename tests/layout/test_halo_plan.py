@@ -63,9 +63,20 @@ def _check_ownership(plan: HaloPlan) -> None:
     assert np.all(plan.halo_global[plan.halo_mask] >= 0)
 
 
-def _check_row_order(plan: HaloPlan) -> None:
-    """Ghosts by source rank ascending; per group direct ghosts by owned row, then shifted images."""
+def _unwrap_frames(plan: HaloPlan, positions: np.ndarray) -> np.ndarray:
+    """`floor` of each atom's fractional coordinates on periodic axes, 0 elsewhere (recomputed here)."""
+    frac = np.linalg.solve(plan.basis.T, positions.T).T
+    return np.where(np.array(plan.periodic), np.floor(frac), 0).astype(np.int64)
+
+
+def _check_row_order(plan: HaloPlan, positions: np.ndarray) -> None:
+    """Ghosts by source rank ascending; per group direct ghosts by owned row, then shifted images.
+
+    Every real row's offset moves its atom from the caller's frame into the wrapped one.
+    """
     owner, local = plan.owner, plan.local_index
+    frame = _unwrap_frames(plan, positions)
+    np.testing.assert_array_equal(plan.frame, frame)
     for d in range(plan.n_devices):
         rows = slice(plan.n_owned[d], plan.n_padded[d])
         g, img = plan.halo_global[d, rows], plan.halo_image[d, rows]
@@ -73,7 +84,21 @@ def _check_row_order(plan: HaloPlan) -> None:
         assert not np.any((owner[g] == d) & ~shifted), "an owned atom appears as an unshifted ghost"
         keys = [(int(owner[a]), bool(s), int(local[a]), *t.tolist()) for a, s, t in zip(g, shifted, img)]
         assert keys == sorted(keys) and len(set(keys)) == len(keys)
-        np.testing.assert_array_equal(plan.halo_offset[d, rows], img @ plan.cell)
+        real = slice(0, plan.n_padded[d])
+        g, img = plan.halo_global[d, real], plan.halo_image[d, real]
+        assert not img[: plan.n_owned[d]].any()
+        np.testing.assert_allclose(plan.halo_offset[d, real], (img - frame[g]) @ plan.cell, rtol=0, atol=1e-12)
+
+
+def _check_wrapped_frame(plan: HaloPlan, positions: np.ndarray) -> None:
+    """Owned halo rows lie inside the cell on periodic axes; every real row is a lattice image of its atom."""
+    halo = plan.to_halo(positions, positions=True).reshape(plan.n_devices, plan.halo_rows, 3)
+    frac = np.linalg.solve(plan.basis.T, halo[plan.halo_owned_mask].T).T[:, np.array(plan.periodic)]
+    assert np.all((frac > -1e-9) & (frac < 1 + 1e-9))
+    ids = plan.halo_global[plan.halo_mask]
+    lattice = np.linalg.solve(plan.basis.T, (halo[plan.halo_mask] - positions[ids]).T).T
+    np.testing.assert_allclose(lattice, np.round(lattice), rtol=0, atol=1e-9)
+    assert not np.round(lattice)[:, ~np.array(plan.periodic)].any()
 
 
 def _check_exchanges(plan: HaloPlan, positions: np.ndarray, rng: np.random.Generator) -> None:
@@ -119,7 +144,8 @@ def test_random_systems_are_owned_covered_and_exchanged(system):
     assert np.prod(plan.grid) == n_devices
     _check_ownership(plan)
     hypothesis.note(f"{assert_pairs_covered(plan, positions, cell, cutoff + skin)} pairs checked")
-    _check_row_order(plan)
+    _check_row_order(plan, positions)
+    _check_wrapped_frame(plan, positions)
     _check_exchanges(plan, positions, np.random.default_rng(0))
     _check_parking(plan, positions)
     ghost = plan.halo_mask & ~plan.halo_owned_mask
@@ -157,19 +183,103 @@ def test_thin_box_gives_self_images_at_offset_zero():
     assert_pairs_covered(plan, plan.reference_positions, cell, 5.0)
 
 
-def test_unwrapped_coordinates_keep_caller_frame():
-    # Owners follow the wrapped positions; halo rows use the caller's coordinates plus image shifts.
-    rng = np.random.default_rng(3)
-    cell = np.array([[6.0, 0.0, 0.0], [1.5, 5.0, 0.0], [-1.0, 0.5, 5.5]])
-    frac = rng.uniform(0.02, 0.98, (40, 3))
-    wrapped = frac @ cell
-    unwrapped = (frac + rng.integers(-3, 4, (40, 3))) @ cell
-    a = HaloPlan.build(wrapped, cell, cutoff=2.0, n_devices=4)
-    b = HaloPlan.build(unwrapped, cell, cutoff=2.0, n_devices=4)
-    np.testing.assert_array_equal(a.owner, b.owner)
-    owned = b.to_halo(unwrapped, positions=True).reshape(4, b.halo_rows, 3)[b.halo_owned_mask]
-    np.testing.assert_array_equal(owned, unwrapped[b.halo_global[b.halo_owned_mask]])
-    assert_pairs_covered(b, unwrapped, cell, 2.0)
+@st.composite
+def image_variants(draw):
+    """One system given three ways: wrapped, nudged across the faces it is near, shifted by random images.
+
+    Returns `(cell, periodic, cutoff, n_devices, grid, {name: positions})`. Fractional
+    coordinates keep 1e-6 away from the faces so that rounding cannot move an atom
+    to the other side of one.
+    """
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    n_atoms = int(rng.integers(2, 41))
+    n_devices = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    periodic = tuple(bool(p) for p in rng.integers(0, 2, 3)) if draw(st.booleans()) else (True, True, True)
+    lengths = rng.uniform(4.0, 9.0, 3)
+    cell = np.diag(lengths)
+    if draw(st.booleans()):
+        cell[1, 0], cell[2, 0], cell[2, 1] = rng.uniform(-0.4, 0.4, 3) * lengths[[1, 2, 2]]
+    frac = rng.uniform(1e-6, 1.0 - 1e-6, (n_atoms, 3))
+    per = np.array(periodic)
+    nudge = np.where(frac < 0.1, 1, np.where(frac > 0.9, -1, 0)) * per  # just above L / just below 0
+    shift = rng.integers(-2, 3, (n_atoms, 3)) * per
+    cutoff = float(rng.choice([0.3, 0.6, 1.2]) * _heights(cell).min())
+    grid = draw(st.sampled_from([None, "slabs"]))
+    grid = (n_devices, 1, 1) if grid == "slabs" else None
+    variants = {"wrapped": frac @ cell, "nudged": (frac + nudge) @ cell, "shifted": (frac + shift) @ cell}
+    return cell, periodic, cutoff, n_devices, grid, variants
+
+
+def _rows(plan: HaloPlan, positions: np.ndarray) -> list[list[tuple]]:
+    """Per device, the sorted (atom, rounded wrapped-frame position) multiset of its ghost rows."""
+    halo = plan.to_halo(positions, positions=True).reshape(plan.n_devices, plan.halo_rows, 3)
+    ghost = plan.halo_mask & ~plan.halo_owned_mask
+    return [sorted((int(g), *np.round(p, 6).tolist()) for g, p in zip(plan.halo_global[d][ghost[d]], halo[d][ghost[d]]))
+            for d in range(plan.n_devices)]
+
+
+@hypothesis.given(image_variants())
+def test_any_periodic_image_gives_the_wrapped_plan(system):
+    cell, periodic, cutoff, n_devices, grid, variants = system
+    plans = {k: HaloPlan.build(p, cell, periodic=periodic, cutoff=cutoff, n_devices=n_devices, grid=grid)
+             for k, p in variants.items()}
+    want, pos_w = plans["wrapped"], variants["wrapped"]
+    assert not want.frame.any()
+    halo_w = want.to_halo(pos_w, positions=True)
+    for name in ("nudged", "shifted"):
+        plan, pos = plans[name], variants[name]
+        np.testing.assert_array_equal(plan.owner, want.owner, err_msg=name)
+        np.testing.assert_array_equal(plan.n_ghost, want.n_ghost, err_msg=name)
+        np.testing.assert_array_equal(plan.halo_global, want.halo_global, err_msg=name)
+        assert _rows(plan, pos) == _rows(want, pos_w), name
+        np.testing.assert_allclose(plan.to_halo(pos, positions=True), halo_w, rtol=0, atol=1e-9, err_msg=name)
+        np.testing.assert_allclose(
+            plan.reference_forward(plan.to_owned(pos, positions=True), positions=True), halo_w, rtol=0, atol=1e-9)
+        _check_row_order(plan, pos)
+        _check_wrapped_frame(plan, pos)
+        assert_pairs_covered(plan, pos, cell, cutoff)
+
+
+def test_nudged_plan_survives_moves_across_faces_until_rewrapped():
+    # Atoms just outside the cell; they drift back and forth across the faces by < skin / 2.
+    rng = np.random.default_rng(11)
+    cell = np.diag([9.0, 8.0, 7.0])
+    frac = rng.uniform(0.0, 1.0, (80, 3))
+    frac[:20] = rng.uniform(-0.02, 0.0, (20, 3))  # just below 0
+    frac[20:40] = rng.uniform(1.0, 1.02, (20, 3))  # just above L
+    positions = frac @ cell
+    plan = HaloPlan.build(positions, cell, cutoff=2.0, skin=0.6, n_devices=4)
+    wrapped = HaloPlan.build(positions - np.floor(frac) @ cell, cell, cutoff=2.0, skin=0.6, n_devices=4)
+    np.testing.assert_array_equal(plan.n_ghost, wrapped.n_ghost)
+    step = rng.normal(size=positions.shape)
+    moved = positions + 0.29 * step / np.linalg.norm(step, axis=1, keepdims=True)
+    assert not plan.needs_rebuild(moved)
+    assert_pairs_covered(plan, moved, cell, 2.0)
+    rewrapped = moved.copy()
+    rewrapped[0] += cell[0]  # the caller wraps one atom: its stored shift into the frame is stale
+    assert plan.needs_rebuild(rewrapped)
+    assert plan.max_displacement(rewrapped) == pytest.approx(plan.max_displacement(moved))
+    assert "atoms given outside the cell: 40 " in plan.describe()
+    assert "outside the cell" not in wrapped.describe()
+
+
+def test_random_images_build_as_fast_as_wrapped():
+    # 1e5 atoms, each shifted by -1, 0 or +1 cells per axis: same ghosts, about the same build time.
+    import time
+
+    rng = np.random.default_rng(0)
+    n, length = 100_000, 167.0  # argon-like density
+    cell = np.diag([length] * 3)
+    wrapped = rng.uniform(0.0, length, (n, 3))
+    shifted = wrapped + rng.integers(-1, 2, (n, 3)) * length
+    seconds, plans = [], []
+    for pos in (wrapped, shifted):
+        t0 = time.perf_counter()
+        plans.append(HaloPlan.build(pos, cell, cutoff=8.5, skin=1.0, n_devices=8))
+        seconds.append(time.perf_counter() - t0)
+    np.testing.assert_array_equal(plans[1].n_ghost, plans[0].n_ghost)
+    np.testing.assert_array_equal(plans[1].halo_global, plans[0].halo_global)
+    assert seconds[1] < 3.0 * seconds[0] + 0.5, f"build took {seconds[1]:.2f} s shifted vs {seconds[0]:.2f} s wrapped"
 
 
 def test_zero_cell_row_on_a_non_periodic_axis():
