@@ -82,7 +82,9 @@ _LIB: list = []
 
 
 def _times2_op():
-    """The trivial custom op `jaxbridge_bench::times2(x) = x * 2`, differentiable (defined once)."""
+    """The trivial custom op `jaxbridge_bench::times2(x) = x * 2` (defined once), and
+    `times2_grad`, the same with a backward formula (for the gradient rows only: the
+    autograd layer adds to every call, so the forward rows use the plain op)."""
     import torch
 
     if not _LIB:
@@ -90,7 +92,10 @@ def _times2_op():
         lib.define("times2(Tensor x) -> Tensor")
         lib.impl("times2", lambda x: x * 2, "CompositeExplicitAutograd")
         torch.library.register_fake("jaxbridge_bench::times2", lambda x: torch.empty_like(x), lib=lib)
-        torch.library.register_autograd("jaxbridge_bench::times2", lambda ctx, g: g * 2, lib=lib)
+        lib.define("times2_grad(Tensor x) -> Tensor")
+        lib.impl("times2_grad", lambda x: x * 2, "CompositeExplicitAutograd")
+        torch.library.register_fake("jaxbridge_bench::times2_grad", lambda x: torch.empty_like(x), lib=lib)
+        torch.library.register_autograd("jaxbridge_bench::times2_grad", lambda ctx, g: g * 2, lib=lib)
         _LIB.append(lib)
     return torch.ops.jaxbridge_bench.times2.default
 
@@ -122,9 +127,15 @@ def _cases(smoke: bool, dev):
 # versions of the package).
 
 
-# Ops whose gradient rows are timed. The demo LJ op's backward calls .item(), so TorchOpKernel's
-# trace-time check (the backward on fake tensors) refuses to differentiate it.
-_DIFFERENTIABLE = {"x*2"}
+def _grad_op(name: str):
+    """The op the gradient rows of case `name` use, or None.
+
+    The demo LJ op's backward calls .item(), so TorchOpKernel's trace-time check (the
+    backward on fake tensors) refuses to differentiate it: LJ has no gradient rows.
+    """
+    import torch
+
+    return torch.ops.jaxbridge_bench.times2_grad.default if name == "x*2" else None
 
 
 def _interleaved(fns: dict[str, Any], *, warmup: int, iters: int, rounds: int = 10) -> dict[str, list[float]]:
@@ -238,10 +249,10 @@ def _breakdown_paths(name, op, targs, jargs, gpu: bool, kernel_cls) -> dict[str,
     k = kernel_cls(op)
     fk = jax.jit(lambda *xs: k(*xs))
     paths["(vi) TorchOpKernel under jit (forward)"] = (lambda: fk(*jargs), "native")
-    if name in _DIFFERENTIABLE:
-        kg = kernel_cls(op, outputs=(0,))
+    if _grad_op(name) is not None:
+        kg = kernel_cls(_grad_op(name), outputs=(0,))
         g = jax.jit(jax.grad(lambda x, *rest: jnp.sum(kg(x, *rest))))
-        paths["(vii) jax.grad of sum(output 0), TorchOpKernel (fwd + bwd callbacks)"] = (lambda: g(*jargs), "grad")
+        paths["(vii) jax.grad of sum(output 0), TorchOpKernel, op with a backward formula (fwd + bwd callbacks)"] = (lambda: g(*jargs), "grad")
     return paths
 
 
@@ -274,8 +285,8 @@ def _run_breakdown(rep, cases, jdev, gpu: bool, warmup: int, iters: int, flat) -
             jargs = [jax.device_put(np.asarray(t.cpu()), jdev) for t in targs]
             paths = _breakdown_paths(name, op, targs, jargs, gpu, TorchOpKernel)
             want = {"native": flat(op(*targs))}
-            if name in _DIFFERENTIABLE:
-                want["grad"] = flat(_torch_grad(op, targs))
+            if _grad_op(name) is not None:
+                want["grad"] = flat(_torch_grad(_grad_op(name), targs))
             times = _interleaved({k: f for k, (f, _) in paths.items()}, warmup=warmup, iters=iters)
             med = {k.split(" ")[0]: cm.med(v) for k, v in times.items()}
             for label, (f, ref) in paths.items():
@@ -330,7 +341,7 @@ def _run_compare(rep, cases, jdev, before: pathlib.Path, warmup: int, iters: int
     for name, op, targs, _ in cases:
         with rep.section(f"{name}: before/after"):
             jargs = [jax.device_put(np.asarray(t.cpu()), jdev) for t in targs]
-            calls = ("forward", "grad") if name in _DIFFERENTIABLE else ("forward",)
+            calls = ("forward", "grad") if _grad_op(name) is not None else ("forward",)
             want = {"forward": flat(op(*targs))}
             fns, checks = {}, {}
             for tag, cls in (("before", old_cls), ("after", TorchOpKernel)):
@@ -338,8 +349,8 @@ def _run_compare(rep, cases, jdev, before: pathlib.Path, warmup: int, iters: int
                 f = jax.jit(lambda *xs, k=k: k(*xs))
                 fns[tag, "forward"] = lambda f=f: f(*jargs)
                 if "grad" in calls:
-                    want["grad"] = flat(_torch_grad(op, targs))
-                    kg = cls(op, outputs=(0,))
+                    want["grad"] = flat(_torch_grad(_grad_op(name), targs))
+                    kg = cls(_grad_op(name), outputs=(0,))
                     g = jax.jit(jax.grad(lambda x, *rest, kg=kg: jnp.sum(kg(x, *rest))))
                     fns[tag, "grad"] = lambda g=g: g(*jargs)
             times = _interleaved(fns, warmup=warmup, iters=iters)
