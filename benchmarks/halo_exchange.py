@@ -11,11 +11,13 @@ Measures, for messages of 64 KiB .. 256 MiB per direction:
    per direction of exactly the target size;
 4. small messages (<= 1 MiB) both per dispatch (one program per exchange) and
    inside one compiled program (`lax.fori_loop` of 100 exchanges, time / 100);
-5. issue 7, before / after in the same run: the exchanges with the tables of
+5. issue 7, before / after in the same run (calls alternate): the exchanges with the tables of
    before (gather and scatter by `recv_slot`, `device_tables(..., blocks=False)`)
    next to the block tables every layout `HaloPlan` now gets, on the synthetic
-   tables and on a layout `HaloPlan` of random atoms (two offsets, real send rows);
-   both implementations are checked to agree.
+   tables, on the same tables on one device without the ppermute (local work
+   only, next to one read + write pass over the halo block), and on a layout
+   `HaloPlan` of random atoms (two offsets, real send rows); both
+   implementations are checked to agree.
 
 GB/s are per direction (bytes one device sends / time), 1 GB = 1e9 B.
 """
@@ -23,6 +25,7 @@ GB/s are per direction (bytes one device sends / time), 1 GB = 1e9 B.
 from __future__ import annotations
 
 import sys
+import time
 import types
 
 import _common as cm
@@ -38,16 +41,18 @@ AXIS = "atoms"
 def synthetic_tables(mesh, rows: int, *, blocks: bool = True):
     """HaloTables for 2 devices: device d sends its `rows` owned rows to 1 - d, one message each way.
 
+    On a 1-device mesh the device sends them to itself (offset 0: no ppermute, local work only).
+
     `blocks=True` is what a layout `HaloPlan` gets (block tables); `blocks=False`
     is the exchange before issue 7 (gather / scatter by `recv_slot`), kept for
     the before/after comparison.
     """
     from nvalchemi_jaxbridge.lower.tables import device_tables
 
-    d, oc, gc = 2, rows, rows + 1  # one inert padding row, as in a real plan
+    d, oc, gc = len(mesh.devices.flat), rows, rows + 1  # one inert padding row, as in a real plan
     hr = oc + gc
     plan = types.SimpleNamespace(  # the fields of a layout HaloPlan that device_tables reads
-        n_devices=d, owned_capacity=oc, ghost_capacity=gc, halo_rows=hr, offsets=(1,), pair_capacities=(rows,),
+        n_devices=d, owned_capacity=oc, ghost_capacity=gc, halo_rows=hr, offsets=(1 % d,), pair_capacities=(rows,),
         send_idx=(np.tile(np.arange(rows, dtype=np.int32), (d, 1)),),
         recv_slot=(np.tile(oc + np.arange(rows, dtype=np.int32), (d, 1)),),
         halo_offset=np.zeros((d, hr, 3), np.float32), owned_offset=np.zeros((d, oc, 3), np.float32),
@@ -130,6 +135,21 @@ def torch_copy(nbytes: int, platform: str, warmup: int, iters: int) -> tuple[flo
     del src, dst
     torch.cuda.empty_cache()
     return cm.med(ts), "CUDA events"
+
+
+def paired(before, after, warmup: int, iters: int) -> tuple[float, float]:
+    """Median seconds of two jax calls timed alternately (before, after, before, ...), so drift hits both."""
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(before()), jax.block_until_ready(after())
+    tb, ta = [], []
+    for _ in range(iters):
+        for fn, ts in ((before, tb), (after, ta)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            ts.append(time.perf_counter() - t0)
+    return cm.med(tb), cm.med(ta)
 
 
 def _sizes(text: str) -> list[int]:
@@ -230,20 +250,42 @@ def main(argv: list[str] | None = None) -> int:
             before = synthetic_tables(mesh, n_rows, blocks=False)
             one_b, many_b = programs(mesh, before, loop)
             args_b = {"GatherInputs": (before, xo), "reverse": (before, xh), "ScatterOutputs": (before, xh)}
-            lb = {}
+            lb, la = {}, {}
             for name in ("GatherInputs", "reverse", "ScatterOutputs"):
                 _check_same(one[name](*args[name]), one_b[name](*args_b[name]), name)
-                tb = cm.med(cm.time_jax(lambda: one_b[name](*args_b[name]), warmup=warmup, iters=iters))
+                tb, ta = paired(lambda: one_b[name](*args_b[name]), lambda: one[name](*args[name]), warmup, iters)
                 if s <= LOOP_MAX:
-                    lb[name] = cm.med(cm.time_jax(lambda: many_b[name](*args_b[name]), warmup=max(1, warmup // 2),
-                                                  iters=max(2, iters // 3))) / loop
-                    if name == "reverse":
+                    lb[name], la[name] = (v / loop for v in paired(
+                        lambda: many_b[name](*args_b[name]), lambda: many[name](*args[name]),
+                        max(1, warmup // 2), max(2, iters // 3)))
+                    if name == "reverse":  # the loop body is reverse + forward; report reverse's share
                         lb[name] -= lb["GatherInputs"]
-                ta = per_call[name, s]
+                        la[name] -= la["GatherInputs"]
                 rep.row(brows, [cm.human_bytes(s), name, cm.us(tb), cm.us(ta), f"{tb / ta:.2f}",
                                 f"{bare[s] / tb * moved[name] / s:.2f}", f"{bare[s] / ta * moved[name] / s:.2f}",
-                                cm.us(lb.get(name, float("nan"))), cm.us(looped.get((name, s), float("nan")))])
+                                cm.us(lb.get(name, float("nan"))), cm.us(la.get(name, float("nan")))])
             del tables, before, xo, xh, one, many, one_b, many_b
+
+    local_rows = rep.table(
+        "Issue 7: local work only (1 device, offset 0: the same tables without the ppermute), before / after",
+        ["bytes/msg", "exchange", "before (us)", "after (us)", "before / after", "one pass (us)"])
+    mesh1 = make_mesh(1)
+    for s in sizes:
+        with rep.section(f"local work at {cm.human_bytes(s)}"):
+            n_rows = s // (4 * FEATURES)
+            after, before = synthetic_tables(mesh1, n_rows), synthetic_tables(mesh1, n_rows, blocks=False)
+            one_a, _ = programs(mesh1, after, loop)
+            one_b, _ = programs(mesh1, before, loop)
+            sh1 = jax.sharding.NamedSharding(mesh1, jax.sharding.PartitionSpec(AXIS))
+            xo = jax.device_put(np.ones((n_rows, FEATURES), np.float32), sh1)
+            xh = jax.device_put(np.ones((after.halo_rows, FEATURES), np.float32), sh1)
+            one_pass = jax.jit(lambda y: y + 1.0)  # read + write of the halo block: the unit of memory traffic
+            t_pass = cm.med(cm.time_jax(lambda: one_pass(xh), warmup=warmup, iters=iters))
+            for name, x in (("GatherInputs", xo), ("reverse", xh), ("ScatterOutputs", xh)):
+                _check_same(one_a[name](after, x), one_b[name](before, x), name)
+                tb, ta = paired(lambda: one_b[name](before, x), lambda: one_a[name](after, x), warmup, iters)
+                rep.row(local_rows, [cm.human_bytes(s), name, cm.us(tb), cm.us(ta), f"{tb / ta:.2f}", cm.us(t_pass)])
+            del after, before, one_a, one_b, xo, xh
 
     real_rows = rep.table(
         f"Issue 7 on a layout HaloPlan ({a.real_atoms} random atoms, periodic cube, cutoff 6, "
@@ -267,8 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         np.testing.assert_allclose(np.asarray(one_a["GatherInputs"](after, xo)), want, rtol=0, atol=0)
         for name, x in (("GatherInputs", xo), ("reverse", xh), ("ScatterOutputs", xh)):
             _check_same(one_a[name](after, x), one_b[name](before, x), name)
-            tb = cm.med(cm.time_jax(lambda: one_b[name](before, x), warmup=warmup, iters=iters))
-            ta = cm.med(cm.time_jax(lambda: one_a[name](after, x), warmup=warmup, iters=iters))
+            tb, ta = paired(lambda: one_b[name](before, x), lambda: one_a[name](after, x), warmup, iters)
             rep.row(real_rows, [name, str(dict(zip(plan.offsets, plan.pair_capacities))), f"{sent:.1f}",
                                 cm.us(tb), cm.us(ta), f"{tb / ta:.2f}"])
 

@@ -19,8 +19,9 @@ receiver adds the whole message into rows `recv_start .. recv_start + cap` with
 a `dynamic_update_slice` (and the reverse reads them back with a
 `dynamic_slice`) instead of a scatter / gather by `recv_slot`. The sender orders
 its rows by `send_block` so that each lands on its slot; the block's other rows
-are padding entries and carry zeros, so adding them changes nothing, whatever
-the order of the offsets and wherever the block overlaps other ghost groups.
+are padding entries and carry zeros, so adding them changes nothing (but the
+sign of a zero), whatever the order of the offsets and wherever the block
+overlaps other ghost groups.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def halo_forward(x_owned: jax.Array, t: HaloTables, axis: str, *, positions: boo
     if t.blocks:  # the shift goes in first: the blocks are added on top, in one pass with the copy
         if positions:
             out = out + t.halo_offset.astype(out.dtype)
-        for k, send, start, cap in zip(t.offsets, t.send_block, t.recv_start, t.pair_capacities):
+        for k, send, start in zip(t.offsets, t.send_block, t.recv_start):
             msg = jnp.take(x_owned, send, axis=0, mode="fill", fill_value=0)
             out = _add_block(out, _send(msg, axis, t.n_devices, _perm(t.n_devices, k)), start)
         return out
