@@ -657,6 +657,10 @@ class TorchOpKernel:
         try:
             problem = self._fake_run(call.statics, call.array_pos, arrays, grad=True, then=probe)
         except Exception as e:
+            if _is_data_dependent(e):
+                # A backward formula exists but reads values (e.g. `.item()`), which fake
+                # tensors cannot answer: differentiable; the real backward runs on real data.
+                return
             problem = f"torch cannot differentiate it: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
         if problem is not None:
             raise NotDifferentiableError(f"jax.grad reached op {self.name}, but {problem} {fix}")
@@ -696,6 +700,13 @@ class TorchOpKernel:
 
         fn.defvjp(fn_fwd, fn_bwd)
         return fn
+
+
+def _is_data_dependent(e: BaseException) -> bool:
+    """Whether a fake-tensor run failed only because the code asked for tensor values."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    return isinstance(e, (DataDependentOutputException, DynamicOutputShapeException))
 
 
 class _Missing:

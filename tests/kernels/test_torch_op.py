@@ -156,6 +156,29 @@ def test_no_autograd_formula_raises_when_differentiated():
         jax.grad(lambda x: k(x).sum())(jnp.arange(3.0))
 
 
+def test_backward_that_reads_values_is_differentiable():
+    # A backward formula that asks for tensor values (`.item()`) cannot run on fake
+    # tensors; it is still a registered formula, so jax.grad must run it on real data.
+    @torch.library.custom_op("kt::cube_sum_item", mutates_args=())
+    def cube_sum_item(x: torch.Tensor) -> torch.Tensor:
+        return (x**3).sum()
+
+    cube_sum_item.register_fake(lambda x: x.new_empty(()))
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        scale = float(g.item())  # data-dependent on purpose
+        return 3.0 * scale * x**2
+
+    cube_sum_item.register_autograd(backward, setup_context=setup)
+    x = np.linspace(-1.0, 2.0, 7)
+    k = TorchOpKernel(torch.ops.kt.cube_sum_item)
+    np.testing.assert_allclose(np.asarray(jax.grad(lambda v: 2.0 * k(v))(jnp.asarray(x))), 6.0 * x**2, rtol=1e-12)
+
+
 def test_bad_calls_say_where_and_how():
     with pytest.raises(KernelError, match=r"no argument 'cutof'.*Did you mean 'cutoff'"):
         GAUSS(jnp.ones((3, 3)), cutof=2.0, sigma=1.0)
