@@ -21,6 +21,7 @@ already holds the global cotangent.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
@@ -46,7 +47,11 @@ from ..lower.tables import device_tables, is_halo_plan, is_shard_plan
 # Not a user setting: both paths give the same results.
 _HOST_SYNC = os.environ.get("JAXBRIDGE_FRONT_DOOR_HOST_SYNC", "0") == "1"
 
-_CONTEXTS: dict[int, tuple[Any, PlanContext]] = {}
+# The most recent plans' contexts (device tables included). Bounded, so an MD run that
+# rebuilds its plan every few steps does not keep every old plan's tables alive; an
+# evicted plan that comes back gets a fresh context (its tables uploaded again).
+_CONTEXTS: collections.OrderedDict[int, tuple[Any, PlanContext]] = collections.OrderedDict()
+_MAX_CONTEXTS = 8
 _MESH: dict[str, Any] = {}
 
 
@@ -158,9 +163,12 @@ def context_for(plan: Any) -> PlanContext:
         return plan
     hit = _CONTEXTS.get(id(plan))
     if hit is not None and hit[0] is plan:
+        _CONTEXTS.move_to_end(id(plan))
         return hit[1]
     ctx = _make_context(plan)
     _CONTEXTS[id(plan)] = (plan, ctx)
+    while len(_CONTEXTS) > _MAX_CONTEXTS:
+        _CONTEXTS.popitem(last=False)
     return ctx
 
 
