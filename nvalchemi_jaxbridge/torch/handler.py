@@ -19,7 +19,9 @@ taken to be this rank's local block in the layout the transform reads.
 `GatherInputs` reads it as a halo block if it has at least `n_owned + n_ghost`
 rows (its ghost rows are refreshed), else as an owned block of exactly
 `n_owned` rows; it gets no periodic image shifts (wrap positions in a
-ShardTensor with `positions=True` for that). `SliceOwned` and
+ShardTensor with `positions=True` for that). A positions ShardTensor in halo
+layout holds its owned rows in the plan's wrapped frame; re-gathering it first
+takes them back to owned storage (subtracts their `halo_offset`). `SliceOwned` and
 `GatherInputsFull` need at least `n_owned` rows. Any other row count raises.
 `None` (an omitted optional tensor) passes unchanged; other non-tensors raise.
 
@@ -33,6 +35,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..spec.transforms import (
@@ -184,6 +187,8 @@ def _arg(label: str, where: str, t: Any, x: Any, src: ShardMeta) -> Any:
         base = n_own if layout == "owned" else n_pad
         positions = meta.positions if meta is not None else False
         owned = local[:n_own]
+        if layout == "halo" and positions:  # its owned rows are in the wrapped frame: back to owned storage
+            owned = owned - _owned_shift(ctx, owned)
         step = F.gather_inputs_step(ctx, tuple(owned.shape), dtype, positions=positions)
         halo = F.apply(F.GatherInputsFn, owned, step)
         return torch.cat([halo, local[base:]]) if rows > base else halo
@@ -193,6 +198,12 @@ def _arg(label: str, where: str, t: Any, x: Any, src: ShardMeta) -> Any:
         full = F.apply(F.GatherInputsFullFn, owned, step)
         return torch.cat([full, local[n_own:]]) if rows > n_own else full
     raise TypeError(f"{label}: {where} holds {t!r}, which is not an argument transform")
+
+
+def _owned_shift(ctx: Any, like: torch.Tensor) -> torch.Tensor:
+    """This rank's owned-row `halo_offset` (the shift into the wrapped frame), like `like`."""
+    shift = ctx.plan.halo_offset[ctx.rank, : ctx.n_owned]
+    return torch.tensor(np.array(shift), dtype=like.dtype, device=like.device)
 
 
 def _out(label: str, where: str, t: Any, y: Any, src: ShardMeta) -> tuple[torch.Tensor, ShardMeta]:

@@ -95,8 +95,8 @@ class ShardTensor(torch.Tensor):
             plan: the `HaloPlan` / `ShardPlan` the block belongs to (this process is
                 rank `jax.process_index()` of it).
             layout: "owned", "halo" or "replicated".
-            positions: the block holds Cartesian positions, so a halo exchange adds
-                the plan's periodic image shifts to ghost rows.
+            positions: the block holds Cartesian positions, so a halo exchange adds the
+                plan's `halo_offset` (owned and ghost rows into the wrapped frame).
             spec: the `DistributionSpec` in use (kept for reference; optional).
             requires_grad: make the result a leaf that requires grad (default: keep `local`'s).
 
@@ -132,8 +132,9 @@ class ShardTensor(torch.Tensor):
         """This rank's block of a global tensor (rows in global-ID order).
 
         `layout="halo"` fills the ghost rows with a forward halo exchange (every
-        rank must call it together); with `positions=True` ghosts get their
-        periodic image shifts. `pad_rows` appends that many zero rows.
+        rank must call it together); with `positions=True` owned and ghost rows
+        are put in the plan's wrapped frame (ghosts as periodic images), as a
+        kernel sees them. `pad_rows` appends that many zero rows.
 
         Returns:
             A leaf ShardTensor (`requires_grad` as asked).
@@ -186,7 +187,7 @@ class ShardTensor(torch.Tensor):
 
     @property
     def is_positions(self) -> bool:
-        """Whether halo exchanges add periodic image shifts to this block's ghost rows."""
+        """Whether halo exchanges add the plan's position shifts (`halo_offset`) to this block's rows."""
         return self._jb.positions
 
     @property
