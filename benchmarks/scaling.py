@@ -130,8 +130,8 @@ def make_case(system: str, cells: int, reps: tuple[int, int, int] = (1, 1, 1)) -
     from nvalchemi_jaxbridge.simulate import wrap
 
     rng = np.random.default_rng(cells)
-    # wrapped into the block: an atom displaced out of the cell would start a second unwrap frame, whose
-    # bounding box adds a whole extra ghost shell to its domain (layout/partition.py)
+    # wrapped into the block before tiling (HaloPlan itself no longer needs wrapped positions: it plans
+    # in the wrapped frame whatever image an atom is given at)
     pos = wrap(s.positions + rng.normal(scale=0.05, size=s.positions.shape), s.cell, s.periodic)
     edge = np.diag(s.cell)
     shifts = np.array(list(itertools.product(*(range(r) for r in reps))), dtype=np.float64) * edge

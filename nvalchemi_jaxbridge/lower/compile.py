@@ -287,7 +287,8 @@ class CompiledSpec:
         """Global per-atom numpy values `(N, ...)` as owned storage, sharded over the mesh.
 
         Halo plans give `(D * owned_capacity, ...)` (`positions=True` parks padding
-        rows); shard plans give `(D * (owned_capacity + pad_rows), ...)`.
+        rows; owned rows keep the caller's coordinates, wrapped or not); shard plans
+        give `(D * (owned_capacity + pad_rows), ...)`.
         """
         if self.kind == "halo":
             return self._sharded(self.plan.to_owned(np.asarray(x), positions=positions))
@@ -299,7 +300,11 @@ class CompiledSpec:
         return self._sharded(self.plan.to_owned(np.asarray(x), pad_rows=pad_rows))
 
     def halo(self, x: Any, positions: bool = False) -> jax.Array:
-        """Global per-atom numpy values `(N, ...)` as halo storage `(D * halo_rows, ...)`, sharded."""
+        """Global per-atom numpy values `(N, ...)` as halo storage `(D * halo_rows, ...)`, sharded.
+
+        `positions=True` puts owned and ghost rows in the plan's wrapped frame
+        (`plan.halo_offset`) and parks padding rows, as a `GatherInputs` of positions does.
+        """
         self._need_halo("halo")
         return self._sharded(self.plan.to_halo(np.asarray(x), positions=positions))
 
