@@ -88,10 +88,10 @@ def collectives(cs: Any, target: Any, *args: Any) -> list[Collective]:
     """
     import jax
 
-    from .lower.compile import _find
     from .spec.transforms import AllReduceSum, GatherInputs, GatherInputsFull, ScatterOutputs
 
-    e = _find(cs._entries, target, "collectives")
+    adapter = cs.adapter(target)
+    name = adapter.describe().target
     arrays = {i: a for i, a in enumerate(args) if hasattr(a, "shape") and hasattr(a, "dtype")}
 
     def call(cs_: Any, *arrs: Any) -> Any:
@@ -111,21 +111,21 @@ def collectives(cs: Any, target: Any, *args: Any) -> list[Collective]:
         if isinstance(tr, GatherInputs) or isinstance(tr, ScatterOutputs):
             count, rows, padded = _halo_messages(plan)
             times = 2 if isinstance(tr, ScatterOutputs) else 1
-            result.append(Collective(e.name, slot, name, "ppermute", times * count, times * rows, times * padded, rb))
+            result.append(Collective(name, slot, name, "ppermute", times * count, times * rows, times * padded, rb))
         elif isinstance(tr, AllReduceSum):
-            result.append(Collective(e.name, slot, name, "psum", 1, d, d, _row_bytes((1, *shape), dtype)))
+            result.append(Collective(name, slot, name, "psum", 1, d, d, _row_bytes((1, *shape), dtype)))
         elif isinstance(tr, GatherInputsFull):
             n = int(np.asarray(plan.n_owned).sum())
             oc = cs.tables.owned_capacity
-            result.append(Collective(e.name, slot, name, "all_gather", 1, (d - 1) * n, d * (d - 1) * oc, rb))
+            result.append(Collective(name, slot, name, "all_gather", 1, (d - 1) * n, d * (d - 1) * oc, rb))
         else:
-            result.append(Collective(e.name, slot, name, "local", 0, 0, 0, rb))
+            result.append(Collective(name, slot, name, "local", 0, 0, 0, rb))
 
-    for pos, tr in sorted(e.args.items()):
+    for pos, tr in sorted(adapter.arg_transforms.items()):
         a = args[pos] if pos < len(args) else None
         if a is not None and hasattr(a, "shape"):
             add(f"argument {pos}", tr, tuple(a.shape), a.dtype)
-    for pos, tr in sorted(e.outs.items()):
+    for pos, tr in sorted(adapter.output_transforms.items()):
         if pos < len(outs):
             add(f"output {pos}", tr, tuple(outs[pos].shape), outs[pos].dtype)
     return result

@@ -332,6 +332,14 @@ class CompiledSpec:
                 "which has no halo rows; use owned() / to_global()."
             )
 
+    def adapter(self, target: Any) -> Any:
+        """The `OpAdapter` that `call(target, ...)` runs: target is the adapter, its op, or its target name.
+
+        Raises:
+            KeyError: no adapter, or several, match `target` (the message lists the known targets).
+        """
+        return _find(self._entries, target, "CompiledSpec.adapter").adapter
+
     # ------------------------------------------------------------- plans
 
     def with_plan(self, plan: Any) -> CompiledSpec:

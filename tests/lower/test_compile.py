@@ -282,3 +282,18 @@ def test_storage_helpers_refuse_the_other_kind(mesh2):
         cs.owned(np.ones((3, 3)), positions=True)
     with pytest.raises(TypeError, match="uses shard storage, so the new plan must be a ShardPlan, got SimpleNamespace"):
         cs.with_plan(golden_halo_plan())
+
+
+def test_adapter_accessor_finds_by_adapter_op_and_name():
+    from nvalchemi_jaxbridge import DistributionSpec
+
+    from .plans import golden_halo_plan
+
+    def kernel(x):
+        return 2.0 * x
+
+    a = OpAdapter(kernel, gather_inputs=[0], scatter_outputs=[0])
+    cs = compile(DistributionSpec(policy=HaloStoragePolicy(), custom_ops=(a,)), make_mesh(2), golden_halo_plan())
+    assert cs.adapter(a) is a and cs.adapter(kernel) is a and cs.adapter(a.describe().target) is a
+    with pytest.raises(KeyError, match=r"not an adapter of this spec; known targets"):
+        cs.adapter("demo::nope")
