@@ -1,4 +1,5 @@
-"""benchmarks/scaling.py: its pieces against independent references, a failing parity check, a CPU smoke run."""
+"""benchmarks/scaling.py: its pieces against independent references, the float64 parity check (failing and
+passing next to a float32 difference), a CPU smoke run."""
 
 from __future__ import annotations
 
@@ -75,37 +76,115 @@ def test_grid_names():
         "1 (no split)", "1-D slab 2x1x1", "2-D 2x2x1", "3-D 2x2x2"]
 
 
-def _fake_result(n: int, forces: np.ndarray) -> scaling.Result:
+def _fake_result(n: int, forces: np.ndarray, coord_max: float = 21.0) -> scaling.Result:
     return scaling.Result(n_dev=n, grid=scaling.block_grid(n), step_s=0.01 / n, null_s=0.001, forces=forces,
                           owned_max=10, rows_max=20, ghost_rows=10 * n, halo_rows_step=0, halo_bytes_step=0,
-                          halo_sent_bytes_step=0, plan_s=0.0, program="-", memory="-")
+                          halo_sent_bytes_step=0, plan_s=0.0, program="-", memory="-", coord_max=coord_max)
 
 
-def test_force_mismatch_fails_the_run(tmp_path, monkeypatch):
-    # strong scaling: the 2-device forces are off by 1e-6 relative; the run must say so and exit 1
+def _fake_run(monkeypatch, timed_error: float, parity_error: float) -> list:
+    """Replace the timed run and the float64 evaluation: the 2-device forces are off by the given relative errors."""
+    calls = []
+
+    def forces(case, n, err):
+        f = np.random.default_rng(case.n).normal(size=(case.n, 3))
+        return f * (1 + err) if n == 2 else f
+
+    monkeypatch.setattr(scaling, "run_case", lambda case, n, a, platform: _fake_result(n, forces(case, n, timed_error)))
+
+    def fake_first_forces(case, n, a, dtype):
+        calls.append((case.n, n, dtype))
+        return forces(case, n, parity_error)
+
+    monkeypatch.setattr(scaling, "first_forces", fake_first_forces)
+    return calls
+
+
+def _main(tmp_path, *extra):
+    rc = scaling.main(["--platform", "cpu", "--smoke", "--devices", "1,2", "--mode", "strong", "--out", str(tmp_path),
+                       *extra])
+    return rc, (tmp_path / "scaling.md").read_text()
+
+
+def test_float64_force_mismatch_fails_the_run(tmp_path, monkeypatch):
+    # the timed float32 forces agree, but the float64 2-device forces are off by 1e-6 relative: exit 1
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-
-    def fake_run_case(case, n, a, platform):
-        f = np.random.default_rng(0).normal(size=(case.n, 3))
-        return _fake_result(n, f * (1 + 1e-6) if n == 2 else f)
-
-    monkeypatch.setattr(scaling, "run_case", fake_run_case)
-    rc = scaling.main(["--platform", "cpu", "--smoke", "--devices", "1,2", "--mode", "strong", "--out", str(tmp_path)])
-    text = (tmp_path / "scaling.md").read_text()
+    calls = _fake_run(monkeypatch, timed_error=0.0, parity_error=1e-6)
+    rc, text = _main(tmp_path, "--dtype", "float32")
     assert rc == 1
+    assert calls == [(108, 1, "float64"), (108, 2, "float64")]
     assert "1.0e-06 FAIL" in text
-    assert "force parity FAILED" in text and "strong 2 dev: max|dF|/max|F| = 1.0e-06 > 1e-09" in text
+    assert "force parity FAILED" in text and "strong 2 dev: float64 max|dF|/max|F| = 1.0e-06 > 1e-09" in text
+
+
+def test_float64_run_asserts_its_own_forces(tmp_path, monkeypatch):
+    # timed in float64 on the parity system: no second evaluation, and a mismatch in the timed forces fails
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    calls = _fake_run(monkeypatch, timed_error=1e-6, parity_error=0.0)
+    rc, text = _main(tmp_path, "--dtype", "float64")
+    assert rc == 1 and calls == []
+    assert "strong 2 dev: float64 max|dF|/max|F| = 1.0e-06 > 1e-09" in text
+
+
+def test_float32_difference_is_reported_not_asserted(tmp_path, monkeypatch):
+    # a 1e-3 float32 difference with exact float64 forces passes, shown with the coordinate resolution
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    _fake_run(monkeypatch, timed_error=1e-3, parity_error=0.0)
+    rc, text = _main(tmp_path, "--dtype", "float32")
+    assert rc == 0, text
+    assert "| 0.0e+00 ok | 1.0e-03 |" in text
+    # float32 spacing at 21 A is 2^-19 A (21 lies in [16, 32), 23 mantissa bits)
+    assert f"21 A ({2.0**-19:.1e} A)" in text
+    assert "max|dF|/max|F| = 1.0e-03 in float32 vs 0.0e+00 in float64" in text
+    assert "not the bridge" in text and "FAILED" not in text
+
+
+def test_reduced_parity_system_is_named(tmp_path, monkeypatch):
+    # --parity-cells 2: the float64 check runs on a 2^3-cell argon system (32 atoms) and the table says so
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    calls = _fake_run(monkeypatch, timed_error=0.0, parity_error=0.0)
+    rc, text = _main(tmp_path, "--dtype", "float64", "--parity-cells", "2")
+    assert rc == 0, text
+    assert calls == [(32, 1, "float64"), (32, 2, "float64")]
+    assert "REDUCED systems of the same grid and replication, 2^3 cells in all (32 atoms" in text
+    assert "0.0e+00 ok (32 atoms)" in text
+
+
+def test_bad_parity_cells_say_how(tmp_path):
+    with pytest.raises(SystemExit, match=r"--parity-cells must be >= 1 cubic cell per axis, got 0; leave it out"):
+        scaling.main(["--platform", "cpu", "--smoke", "--parity-cells", "0", "--out", str(tmp_path)])
+
+
+@hypothesis.settings(max_examples=6, deadline=None)
+@hypothesis.given(n=st.sampled_from([1, 2, 4]), cells=st.integers(2, 3))
+def test_kernel_coordinates_span_the_wrapped_cell_and_its_ghost_shell(n, cells):
+    # independent bound: real halo rows lie in the cell widened by cutoff + skin on every side, and owned
+    # rows (wrapped positions) reach at least the largest wrapped coordinate
+    case = scaling.make_case("argon", cells, scaling.block_grid(n))
+    plan = HaloPlan.build(case.positions, case.cell, cutoff=4.0, skin=0.5, n_devices=n)
+    got = scaling.kernel_coord_max(plan, case.positions)
+    assert np.abs(case.positions).max() <= got <= np.diag(case.cell).max() + 4.5 + 1e-9
+
+
+def test_spacing_is_the_gap_to_the_next_number():
+    for value, dtype in [(660.0, "float32"), (21.0, "float32"), (660.0, "float64")]:
+        x = np.dtype(dtype).type(value)
+        assert scaling.spacing(value, dtype) == float(np.nextafter(x, np.dtype(dtype).type(np.inf)) - x)
+    assert scaling.spacing(660.0, "float32") == 2.0**-14  # 660 in [512, 1024): 2^9 * 2^-23
 
 
 @pytest.mark.slow
 def test_smoke_run_on_cpu(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=str(ROOT))
+    # timed in float32, so the asserted float64 parity takes the separate first_forces path with the real kernel
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scaling.py"), "--smoke", "--devices", "1,2",
-                           "--halo", "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+                           "--dtype", "float32", "--halo", "--out", str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     text = (tmp_path / "scaling.md").read_text()
     assert "FAILED" not in text and "MISMATCH" not in text, text
-    assert text.count(" ok |") == 2  # the 2-device forces of the strong and the weak table
+    assert text.count(" ok |") == 2  # the 2-device float64 forces of the strong and the weak table
+    assert text.count("in float32 vs ") == 2 and "not the bridge" in text  # float32 differences, as information
     assert "| 2 | 1-D slab 2x1x1 |" in text and text.count("| yes |") == 1  # halo exchange vs numpy
     assert "Weak scaling" in text and "Strong scaling" in text and "platform: cpu" in text
