@@ -1,6 +1,7 @@
 """Strong and weak scaling of the MD step over 1, 2, 4, 8 devices, and halo exchanges on 3-D device grids.
 
     PYTHONPATH=. python3 benchmarks/scaling.py --out OUTDIR [--devices 1,2,4,8] [--mode both] [--halo] [--smoke]
+        [--dtype float32] [--parity-cells K]
 
 MD part (`--mode strong|weak|both`): for each device count one velocity Verlet
 step is one `jax.jit` program over the `CompiledSpec` (GatherInputs -> the force
@@ -250,6 +251,13 @@ def kernel_coord_max(plan, positions: np.ndarray) -> float:
     return float(np.abs(rows[np.asarray(plan.halo_global).reshape(-1) >= 0]).max())
 
 
+def force_adapter(system: str, kernel: str, charged: bool):
+    """An OpAdapter of the force op with its halo roles."""
+    from nvalchemi_jaxbridge.spec import OpAdapter
+
+    return OpAdapter(force_op(system, kernel), **_roles(charged))
+
+
 def first_forces(case: Case, n_dev: int, a: Any, dtype: str) -> np.ndarray:
     """First-step forces (N, 3), global order, of `case` on `n_dev` devices computed in `dtype`: one call, no timing."""
     import jax
@@ -264,13 +272,6 @@ def first_forces(case: Case, n_dev: int, a: Any, dtype: str) -> np.ndarray:
     out = cs.to_global(np.asarray(f, dtype=np.float64))
     del cs, x, q, f
     return out
-
-
-def force_adapter(system: str, kernel: str, charged: bool):
-    """An OpAdapter of the force op with its halo roles."""
-    from nvalchemi_jaxbridge.spec import OpAdapter
-
-    return OpAdapter(force_op(system, kernel), **_roles(charged))
 
 
 def run_case(case: Case, n_dev: int, a: Any, platform: str) -> Result:
@@ -468,11 +469,12 @@ def precision_note(rep: cm.Report, mode: str, a: Any, base: Result, results: dic
                      f"on {base.n_dev} dev)")
     text = f"{mode.capitalize()} scaling, forces in the timed dtype (information, not asserted): " + "; ".join(parts)
     if a.dtype != PARITY_DTYPE and all(ok for _, _, ok in info.values()):
-        text += (f". The {PARITY_DTYPE} forces agree within {PARITY_RTOL:g}, so the {a.dtype} differences are {a.dtype} "
-                 "rounding (of coordinates, image shifts and force sums, whose order differs between device counts), "
-                 "not the bridge" + ("; in weak scaling a replica at x + L is rounded more coarsely than its original "
-                                     "at x, and a stiff pair force amplifies a separation error of about one spacing"
-                                     if mode == "weak" else ""))
+        where = "" if same else " of the reduced systems"
+        text += (f". The {PARITY_DTYPE} forces{where} agree within {PARITY_RTOL:g}, so the {a.dtype} differences are "
+                 f"{a.dtype} rounding (of coordinates, image shifts and force sums, whose order differs between device "
+                 "counts), not the bridge" + ("; in weak scaling a replica at x + L is rounded more coarsely than its "
+                                              "original at x, and a stiff pair force amplifies a separation error of "
+                                              "about one spacing" if mode == "weak" else ""))
     rep.note(text + ".")
 
 
