@@ -199,7 +199,11 @@ def test_cpu_buffers_leave_torch_alone():
     assert torch_op._enter_xla_stream(NoStream(), Cpu()) is None
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs JAX and torch on a CUDA GPU")
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason="needs JAX and torch on a CUDA GPU; on a GPU machine run with JAX_PLATFORMS=cuda,cpu "
+    "(tests/conftest.py defaults JAX to the CPU)",
+)
 def test_gpu_op_runs_after_pending_xla_work_and_leaves_torch_streams():
     """GPU only (not run on the CPU test machine): the op must see the finished result of a long XLA loop."""
     prev = torch.cuda.current_stream()
