@@ -20,13 +20,23 @@ cotangents, through the same callback path. Only ops torch can differentiate
 
 Inside `shard_map(check_vma=True)` the callback's varying-axes typing, which
 `buffer_callback` drops, is restored with `jax.lax.pcast`.
+
+Call paths. The forward has a second, compiled path (`call_path="ffi"`, see
+`kernels/ffi/`): an XLA FFI custom call whose C++ handler wraps XLA's buffers as
+tensors and calls the op through torch's dispatcher, with no Python on the
+bridge's side. `call_path="auto"` (the default) takes it when the extension
+builds and the call's static arguments can be encoded, else the callback path;
+`call_path_of(...)` says which one a call takes and why. The backward always runs
+on the callback path.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -41,6 +51,8 @@ from .dlpack import DLPackError, buffer_to_torch, check_x64_numpy, check_x64_tor
 
 _KDL_CUDA = 2
 _KDL_ROCM = 10
+_CALL_PATHS = ("auto", "ffi", "callback")
+ENV_CALL_PATH = "JAXBRIDGE_KERNEL_PATH"  # the path "auto" means, when set
 _TENSOR = "tensor"
 _TENSOR_LIST = "tensor_list"
 _STATIC = "static"
@@ -239,6 +251,7 @@ class _Call:
     result_specs: tuple[jax.ShapeDtypeStruct, ...]  # returns, then mutated args
     selected: tuple[int, ...]  # indices into result_specs that the caller gets
     fn: Callable[..., tuple[jax.Array, ...]]  # the custom_vjp function of the arrays
+    path: str = "callback"  # the forward's path: "ffi" or "callback (<why>)"
 
 
 class TorchOpKernel:
@@ -251,6 +264,13 @@ class TorchOpKernel:
             then its mutated arguments in schema order), or names of mutated
             arguments. Default: all of them. One selected result is returned bare,
             several as a tuple.
+        call_path: how the forward reaches the op. "auto" (default): the compiled
+            XLA FFI handler when it is available and the call's static arguments
+            can be encoded, else `buffer_callback` (the environment variable
+            `JAXBRIDGE_KERNEL_PATH` = auto / ffi / callback replaces "auto");
+            "ffi": only the FFI handler (a `KernelError` says why a call cannot);
+            "callback": only `buffer_callback`. `call_path_of(...)` tells which
+            path a call takes.
 
     Call it like the op: tensors as JAX arrays (shape and dtype as torch expects),
     everything else (numbers, bools, strings, None) as Python values, positional
@@ -261,7 +281,9 @@ class TorchOpKernel:
         >>> e = jax.jit(k)(positions, cutoff=2.5)
     """
 
-    def __init__(self, op: Any, *, outputs: Sequence[int | str] | None = None) -> None:
+    def __init__(
+        self, op: Any, *, outputs: Sequence[int | str] | None = None, call_path: str = "auto"
+    ) -> None:
         op = _as_overload(op)
         self.op = op
         self.name = f"{op._schema.name}" + (
@@ -284,6 +306,12 @@ class TorchOpKernel:
         self._result_names = tuple(names)
         self.outputs = None if outputs is None else tuple(outputs)
         self._selected = self._resolve_outputs(self.outputs)
+        if call_path not in _CALL_PATHS:
+            raise KernelError(
+                f"call_path={call_path!r} for op {self.name} is not a call path; use one of "
+                f"{list(_CALL_PATHS)} (\"auto\" takes the compiled FFI handler where it can)."
+            )
+        self.call_path = call_path
         self._cache: dict[Any, _Call] = {}
         self._lock = threading.Lock()
 
@@ -291,13 +319,15 @@ class TorchOpKernel:
 
     def __repr__(self) -> str:
         out = "" if self.outputs is None else f", outputs={self.outputs!r}"
-        return f"TorchOpKernel({self.name}{out})"
+        path = "" if self.call_path == "auto" else f", call_path={self.call_path!r}"
+        return f"TorchOpKernel({self.name}{out}{path})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, TorchOpKernel) and (self.op, self.outputs) == (other.op, other.outputs)
+        return isinstance(other, TorchOpKernel) and (self.op, self.outputs, self.call_path) == (
+            other.op, other.outputs, other.call_path)
 
     def __hash__(self) -> int:
-        return hash((TorchOpKernel, self.name, self.outputs))
+        return hash((TorchOpKernel, self.name, self.outputs, self.call_path))
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -413,6 +443,22 @@ class TorchOpKernel:
     # -- call -----------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> jax.Array | tuple[jax.Array, ...]:
+        call, arrays = self._prepare(args, kwargs)
+        axes = frozenset().union(*(_vma(a) for a in arrays)) if arrays else frozenset()
+        arrays = [_vary(a, axes) for a in arrays]
+        out = call.fn(*arrays)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def call_path_of(self, *args: Any, **kwargs: Any) -> str:
+        """The forward path a call with these arguments takes: "ffi", or "callback (<why>)".
+
+        Takes the same arguments as a call and prepares the call as a call would
+        (the FFI extension is built on first use), without running the op.
+        """
+        return self._prepare(args, kwargs)[0].path
+
+    def _prepare(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[_Call, list[Any]]:
+        """The (cached) compiled call for these arguments, and the arrays it takes."""
         values = self._bind(args, kwargs)
         self._check_kinds(values)
         array_pos = tuple(i for i, v in enumerate(values) if self._params[i].kind == _TENSOR and v is not None)
@@ -434,10 +480,7 @@ class TorchOpKernel:
                 if call is None:
                     call = self._build(values, array_pos, arrays)
                     self._cache[key] = call
-        axes = frozenset().union(*(_vma(a) for a in arrays)) if arrays else frozenset()
-        arrays = [_vary(a, axes) for a in arrays]
-        out = call.fn(*arrays)
-        return out[0] if len(out) == 1 else tuple(out)
+        return call, arrays
 
     # -- compile --------------------------------------------------------------------
 
@@ -459,9 +502,96 @@ class TorchOpKernel:
         statics = tuple(None if i in array_pos else v for i, v in enumerate(values))
         mutated_pos = tuple(i for i in array_pos if self._params[i].mutable)
         specs = self._result_specs(statics, array_pos, arrays, mutated_pos)
-        fwd_cb = self._forward_callback(statics, array_pos, mutated_pos, specs)
-        call = _Call(array_pos, mutated_pos, statics, self._n_returns, specs, self._selected, fn=None)  # type: ignore[arg-type]
-        return dataclasses.replace(call, fn=self._custom_vjp(call, fwd_cb, [a.dtype for a in arrays]))
+        fwd, path = self._forward_ffi(statics, array_pos, mutated_pos, specs)
+        if fwd is None:
+            fwd = self._forward_callback(statics, array_pos, mutated_pos, specs)
+        call = _Call(array_pos, mutated_pos, statics, self._n_returns, specs, self._selected, fn=None, path=path)  # type: ignore[arg-type]
+        return dataclasses.replace(call, fn=self._custom_vjp(call, fwd, [a.dtype for a in arrays]))
+
+    # -- the FFI path -------------------------------------------------------------------
+
+    def _requested_path(self) -> tuple[str, str]:
+        """(the path asked for, who asked): the argument, else $JAXBRIDGE_KERNEL_PATH, else auto."""
+        if self.call_path != "auto":
+            return self.call_path, f"call_path={self.call_path!r}"
+        env = os.environ.get(ENV_CALL_PATH, "").strip().lower()
+        if not env:
+            return "auto", 'call_path="auto"'
+        if env not in _CALL_PATHS:
+            raise KernelError(
+                f"the environment variable {ENV_CALL_PATH} is {env!r} (read for op {self.name}); set it "
+                f"to one of {list(_CALL_PATHS)} or unset it."
+            )
+        return env, f"{ENV_CALL_PATH}={env}"
+
+    def _forward_ffi(self, statics, array_pos, mutated_pos, specs) -> tuple[Callable[..., Any] | None, str]:
+        """The FFI forward and "ffi", or (None, "callback (<why>)") where the callback path is used.
+
+        Under call_path="ffi" a call the FFI path cannot take raises instead.
+        """
+        want, who = self._requested_path()
+        if want == "callback":
+            return None, f"callback ({who})"
+
+        def no(reason: str) -> tuple[None, str]:
+            if want == "ffi":
+                raise KernelError(
+                    f"op {self.name} cannot take the FFI call path ({who}): {reason}. Use "
+                    f'call_path="auto" (falls back to the buffer_callback path by itself) or '
+                    f'call_path="callback" for this call.'
+                )
+            return None, f"callback ({reason})"
+
+        from .ffi import plans
+
+        try:
+            encoded = self._encode_plan(statics, array_pos, mutated_pos)
+        except plans.Ineligible as e:
+            return no(e.reason)
+        platform = _platform()
+        if platform not in ("cpu", "cuda"):
+            return no(f"JAX's default backend is {platform!r}; the FFI handler exists for cpu and CUDA only")
+        try:
+            from .ffi import target
+
+            ext = target.load()
+        except KernelError as e:
+            if want == "ffi":
+                raise
+            _warn_ffi_unavailable(e)
+            return None, "callback (the FFI extension is unavailable: " + str(e).splitlines()[0] + ")"
+        if platform == "cuda" and not ext.cuda:
+            return no(
+                f"the FFI extension {ext.path} was built without CUDA (no CUDA headers were found: set "
+                f"CUDA_HOME to a CUDA toolkit and delete {ext.path.parent} to rebuild it)"
+            )
+        overload = "" if self.op._overloadname == "default" else self.op._overloadname
+        try:
+            plan = ext.register_plan(self.op._schema.name, overload, encoded, where=f"op {self.name}")
+        except KernelError as e:
+            return no(str(e))
+        n_ret = self._n_returns
+        aliases = {array_pos.index(i): n_ret + j for j, i in enumerate(mutated_pos)}
+        return ext.call(plan, specs, aliases), "ffi"
+
+    def _encode_plan(self, statics, array_pos, mutated_pos) -> str:
+        """The plan text of this call (raises plans.Ineligible with the reason)."""
+        from .ffi import plans
+
+        out_of = {i: self._n_returns + j for j, i in enumerate(mutated_pos)}
+        slot = {
+            i: plans.TensorSlot(out_of[i], from_result=True) if i in out_of else plans.TensorSlot(k)
+            for k, i in enumerate(array_pos)
+        }
+        entries = []
+        for i, p in enumerate(self._params):
+            if i in slot:
+                entries.append((p.name, p.type_str, slot[i]))
+            elif p.kind == _TENSOR_LIST and statics[i] is not None:
+                raise plans.Ineligible(f"argument {p.name!r} (position {i}) is a {p.type_str}, which the FFI plan cannot hold")
+            else:
+                entries.append((p.name, p.type_str, statics[i]))
+        return plans.encode(len(array_pos), entries)
 
     def _fake_run(
         self,
@@ -700,6 +830,32 @@ class TorchOpKernel:
 
         fn.defvjp(fn_fwd, fn_bwd)
         return fn
+
+
+_FFI_WARNED: list[str] = []
+
+
+def _warn_ffi_unavailable(e: KernelError) -> None:
+    """Warn once per process that "auto" fell back to the callback path because the FFI extension failed."""
+    if _FFI_WARNED:
+        return
+    _FFI_WARNED.append(str(e))
+    warnings.warn(
+        f"TorchOpKernel: the compiled FFI call path is unavailable, so torch ops run through the "
+        f"buffer_callback path (more host work per call). Reason: {e} To silence this, pass "
+        f'call_path="callback" or set {ENV_CALL_PATH}=callback.',
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _platform() -> str:
+    """The platform programs are compiled for: "cpu", "cuda", "rocm", or another backend name."""
+    backend = jax.default_backend()
+    if backend != "gpu":
+        return backend
+    version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
+    return "rocm" if "rocm" in version else "cuda"
 
 
 def _is_data_dependent(e: BaseException) -> bool:

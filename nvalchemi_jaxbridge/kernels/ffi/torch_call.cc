@@ -1,0 +1,441 @@
+// XLA FFI handler that calls a torch op through torch's C++ dispatcher.
+//
+// One handler serves every op: the op, its static arguments and the places its
+// tensors go are a *plan*, registered once from Python (jb_register_plan) and
+// named by the call's `plan` attribute. Per call the handler copies the plan's
+// argument stack, wraps XLA's buffers as torch tensors (at::from_blob, no copy),
+// runs the op boxed with grad off, and writes each returned tensor into its
+// result buffer. No Python runs on this side; a Python-implemented op takes the
+// GIL itself inside torch's dispatcher.
+//
+// Compiled by nvalchemi_jaxbridge/kernels/ffi/build.py; JB_WITH_CUDA adds the
+// CUDA handler (torch enqueues on XLA's stream).
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/core/ivalue.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/util/Exception.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#ifdef JB_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Where a tensor argument of the op comes from: FFI argument `index` or FFI result `index`
+// (a mutated argument: XLA aliases it to its input, so the op writes into JAX's result).
+struct Slot {
+  size_t stack_pos;
+  bool from_result;
+  size_t index;
+};
+
+struct Plan {
+  std::string name;  // "ns::op" or "ns::op.overload", for messages
+  c10::OperatorHandle op;
+  std::vector<c10::IValue> stack;  // one entry per schema argument; tensor slots hold None
+  std::vector<Slot> slots;
+  size_t n_args = 0;     // FFI arguments the call must bring
+  size_t n_results = 0;  // FFI results: returns, then mutated arguments
+  size_t n_returns = 0;  // tensors the op returns
+
+  Plan(std::string n, c10::OperatorHandle h) : name(std::move(n)), op(std::move(h)) {}
+};
+
+std::shared_mutex g_plans_mu;
+std::unordered_map<int64_t, std::unique_ptr<Plan>> g_plans;
+std::unordered_map<int64_t, std::string> g_plan_keys;  // id -> what it was registered for
+thread_local std::string g_last_error;
+
+const Plan* find_plan(int64_t id) {
+  std::shared_lock<std::shared_mutex> lock(g_plans_mu);
+  auto it = g_plans.find(id);
+  return it == g_plans.end() ? nullptr : it->second.get();
+}
+
+// ---------------------------------------------------------------- static-argument decoding
+//
+// A version line "jb1 <number of FFI arguments>", then one line per schema argument
+// (see plans.py, which writes them):
+//   N            None                     b0 / b1      bool
+//   i<int>       int64 (decimal)          d<float>     double, C99 hex float (exact), inf, -inf, nan
+//   s<hex>       str, UTF-8 bytes in hex  I<i,i,...>   int list (may be empty)
+//   D<d,d,...>   double list              B<0,1,...>   bool list
+//   a<k>         FFI argument k           r<k>         FFI result k (mutated argument)
+
+[[noreturn]] void bad(const std::string& what, size_t line) {
+  std::ostringstream os;
+  os << "plan entry " << line << ": " << what;
+  throw std::invalid_argument(os.str());
+}
+
+int64_t parse_int(const std::string& s, size_t line) {
+  if (s.empty()) bad("empty integer", line);
+  errno = 0;
+  char* end = nullptr;
+  long long v = std::strtoll(s.c_str(), &end, 10);
+  if (errno != 0 || end != s.c_str() + s.size()) bad("bad integer '" + s + "'", line);
+  return static_cast<int64_t>(v);
+}
+
+double parse_double(const std::string& s, size_t line) {
+  if (s.empty()) bad("empty float", line);
+  char* end = nullptr;
+  double v = std::strtod(s.c_str(), &end);  // reads C99 hex floats exactly
+  if (end != s.c_str() + s.size()) bad("bad float '" + s + "'", line);
+  return v;
+}
+
+bool parse_bool(const std::string& s, size_t line) {
+  if (s == "0") return false;
+  if (s == "1") return true;
+  bad("bad bool '" + s + "'", line);
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  if (s.empty()) return out;
+  size_t start = 0;
+  while (true) {
+    size_t end = s.find(sep, start);
+    out.push_back(s.substr(start, end - start));
+    if (end == std::string::npos) break;
+    start = end + 1;
+  }
+  return out;
+}
+
+std::string unhex(const std::string& s, size_t line) {
+  if (s.size() % 2) bad("odd-length hex string", line);
+  std::string out;
+  out.reserve(s.size() / 2);
+  for (size_t i = 0; i < s.size(); i += 2) {
+    char* end = nullptr;
+    std::string byte = s.substr(i, 2);
+    long v = std::strtol(byte.c_str(), &end, 16);
+    if (end != byte.c_str() + 2) bad("bad hex byte '" + byte + "'", line);
+    out.push_back(static_cast<char>(v));
+  }
+  return out;
+}
+
+void decode_plan(Plan& plan, const std::string& encoded) {
+  const auto& schema = plan.op.schema();
+  std::vector<std::string> lines = split(encoded, '\n');
+  if (lines.empty() || lines[0].rfind("jb1 ", 0) != 0) {
+    throw std::invalid_argument("the plan does not start with its version line 'jb1 <n_args>'");
+  }
+  plan.n_args = static_cast<size_t>(parse_int(lines[0].substr(4), 0));
+  lines.erase(lines.begin());
+  if (lines.size() != schema.arguments().size()) {
+    std::ostringstream os;
+    os << "the plan has " << lines.size() << " argument(s) but the schema " << schema << " has "
+       << schema.arguments().size();
+    throw std::invalid_argument(os.str());
+  }
+  plan.n_returns = schema.returns().size();
+  size_t n_mutated = 0;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    const std::string& l = lines[i];
+    if (l.empty()) bad("empty entry", i);
+    const char tag = l[0];
+    const std::string v = l.substr(1);
+    switch (tag) {
+      case 'N':
+        plan.stack.emplace_back();
+        break;
+      case 'b':
+        plan.stack.emplace_back(parse_bool(v, i));
+        break;
+      case 'i':
+        plan.stack.emplace_back(parse_int(v, i));
+        break;
+      case 'd':
+        plan.stack.emplace_back(parse_double(v, i));
+        break;
+      case 's':
+        plan.stack.emplace_back(unhex(v, i));
+        break;
+      case 'I': {
+        c10::List<int64_t> xs;
+        for (const auto& x : split(v, ',')) xs.push_back(parse_int(x, i));
+        plan.stack.emplace_back(std::move(xs));
+        break;
+      }
+      case 'D': {
+        c10::List<double> xs;
+        for (const auto& x : split(v, ',')) xs.push_back(parse_double(x, i));
+        plan.stack.emplace_back(std::move(xs));
+        break;
+      }
+      case 'B': {
+        c10::List<bool> xs;
+        for (const auto& x : split(v, ',')) xs.push_back(parse_bool(x, i));
+        plan.stack.emplace_back(std::move(xs));
+        break;
+      }
+      case 'a':
+      case 'r': {
+        int64_t k = parse_int(v, i);
+        if (k < 0) bad("negative buffer index", i);
+        plan.slots.push_back({i, tag == 'r', static_cast<size_t>(k)});
+        if (tag == 'a' && static_cast<size_t>(k) >= plan.n_args) bad("argument slot past n_args", i);
+        if (tag == 'r') ++n_mutated;
+        plan.stack.emplace_back();
+        break;
+      }
+      default:
+        bad(std::string("unknown tag '") + tag + "'", i);
+    }
+  }
+  plan.n_results = plan.n_returns + n_mutated;
+  for (const auto& s : plan.slots) {
+    if (s.from_result && (s.index < plan.n_returns || s.index >= plan.n_results)) {
+      bad("mutated-argument slot points at result " + std::to_string(s.index), s.stack_pos);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- buffers as tensors
+
+bool scalar_type_of(ffi::DataType t, c10::ScalarType* out) {
+  switch (t) {
+    case ffi::DataType::PRED: *out = c10::ScalarType::Bool; return true;
+    case ffi::DataType::S8: *out = c10::ScalarType::Char; return true;
+    case ffi::DataType::S16: *out = c10::ScalarType::Short; return true;
+    case ffi::DataType::S32: *out = c10::ScalarType::Int; return true;
+    case ffi::DataType::S64: *out = c10::ScalarType::Long; return true;
+    case ffi::DataType::U8: *out = c10::ScalarType::Byte; return true;
+    case ffi::DataType::U16: *out = c10::ScalarType::UInt16; return true;
+    case ffi::DataType::U32: *out = c10::ScalarType::UInt32; return true;
+    case ffi::DataType::U64: *out = c10::ScalarType::UInt64; return true;
+    case ffi::DataType::F16: *out = c10::ScalarType::Half; return true;
+    case ffi::DataType::BF16: *out = c10::ScalarType::BFloat16; return true;
+    case ffi::DataType::F32: *out = c10::ScalarType::Float; return true;
+    case ffi::DataType::F64: *out = c10::ScalarType::Double; return true;
+    case ffi::DataType::C64: *out = c10::ScalarType::ComplexFloat; return true;
+    case ffi::DataType::C128: *out = c10::ScalarType::ComplexDouble; return true;
+    default: return false;
+  }
+}
+
+at::Tensor as_tensor(const ffi::AnyBuffer& b, c10::Device device, const Plan& plan, const char* what,
+                     size_t k) {
+  c10::ScalarType st;
+  if (!scalar_type_of(b.element_type(), &st)) {
+    std::ostringstream os;
+    os << "op " << plan.name << ": FFI " << what << " " << k << " has XLA element type "
+       << static_cast<int>(b.element_type()) << ", which torch has no equivalent for";
+    throw std::invalid_argument(os.str());
+  }
+  auto dims = b.dimensions();
+  std::vector<int64_t> sizes(dims.begin(), dims.end());
+  auto options = at::TensorOptions().dtype(st).device(device);
+  if (b.element_count() == 0) {
+    return at::empty(sizes, options);  // XLA may hand a null pointer for an empty buffer
+  }
+  return at::from_blob(b.untyped_data(), sizes, options);
+}
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes() << " " << c10::toString(t.scalar_type());
+  return os.str();
+}
+
+ffi::Error run_plan(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device) {
+  if (args.size() != plan.n_args || rets.size() != plan.n_results) {
+    std::ostringstream os;
+    os << "op " << plan.name << " (FFI call): got " << args.size() << " argument and " << rets.size()
+       << " result buffer(s), the plan expects " << plan.n_args << " and " << plan.n_results
+       << "; this is a bug in nvalchemi_jaxbridge (the plan and the ffi_call disagree), please report it";
+    return ffi::Error::Internal(os.str());
+  }
+  std::vector<at::Tensor> outs;
+  outs.reserve(plan.n_results);
+  for (size_t j = 0; j < plan.n_results; ++j) {
+    auto r = rets.get<ffi::AnyBuffer>(j);
+    if (r.has_error()) return r.error();
+    outs.push_back(as_tensor(**r, device, plan, "result", j));
+  }
+  std::vector<c10::IValue> stack = plan.stack;
+  for (const Slot& s : plan.slots) {
+    if (s.from_result) {
+      stack[s.stack_pos] = outs[s.index];
+    } else {
+      auto a = args.get<ffi::AnyBuffer>(s.index);
+      if (a.has_error()) return a.error();
+      stack[s.stack_pos] = as_tensor(*a, device, plan, "argument", s.index);
+    }
+  }
+  {
+    at::NoGradGuard no_grad;
+    plan.op.callBoxed(stack);
+  }
+  if (stack.size() != plan.n_returns) {
+    std::ostringstream os;
+    os << "op " << plan.name << " returned " << stack.size() << " value(s), its schema declares "
+       << plan.n_returns << "; fix the op's implementation to match its schema";
+    return ffi::Error::Internal(os.str());
+  }
+  for (size_t j = 0; j < plan.n_returns; ++j) {
+    if (!stack[j].isTensor()) {
+      std::ostringstream os;
+      os << "op " << plan.name << ": return " << j << " is a " << stack[j].tagKind()
+         << ", not a Tensor; fix the op's implementation to return Tensors as its schema declares";
+      return ffi::Error::Internal(os.str());
+    }
+    const at::Tensor& got = stack[j].toTensor();
+    at::Tensor& want = outs[j];
+    if (got.sizes() != want.sizes() || got.scalar_type() != want.scalar_type()) {
+      std::ostringstream os;
+      os << "op " << plan.name << ": return " << j << " is " << describe(got) << " but JAX expected "
+         << describe(want) << " (from the op's fake implementation); its register_fake disagrees with "
+         << "its real implementation. Make the function registered with register_fake return the "
+         << "shapes and dtypes the op really returns";
+      return ffi::Error::InvalidArgument(os.str());
+    }
+    if (want.numel() != 0 && got.data_ptr() != want.data_ptr()) {
+      want.copy_(got);  // a functional op allocated its result: one copy on the current stream
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error guarded(int64_t plan_id, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device,
+                   void* stream) {
+  const Plan* plan = find_plan(plan_id);
+  if (plan == nullptr) {
+    return ffi::Error::Internal(
+        "nvalchemi_jaxbridge FFI call: plan " + std::to_string(plan_id) +
+        " is not registered in this process (a compiled program reused from another process?); call "
+        "the TorchOpKernel again in this process so it registers its plan, or use call_path=\"callback\"");
+  }
+  std::string msg;
+  try {
+#ifdef JB_WITH_CUDA
+    if (stream != nullptr) {
+      c10::cuda::CUDAStreamGuard guard(
+          c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), device.index()));
+      return run_plan(*plan, args, rets, device);
+    }
+#else
+    (void)stream;
+#endif
+    return run_plan(*plan, args, rets, device);
+  } catch (const c10::Error& e) {
+    msg = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    msg = e.what();  // includes torch's python_error / pybind11's error_already_set
+  } catch (...) {
+    msg = "unknown C++ exception";
+  }
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    "torch op " + plan->name + " failed inside its FFI call: " + msg);
+}
+
+ffi::Error call_cpu(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t plan) {
+  return guarded(plan, args, rets, c10::Device(c10::kCPU), nullptr);
+}
+
+#ifdef JB_WITH_CUDA
+ffi::Error call_cuda(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                     int64_t plan) {
+  return guarded(plan, args, rets, c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(ordinal)), stream);
+}
+#endif
+
+uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ULL) {
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ULL;
+  }
+  return h;
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_torch_call_cpu, call_cpu,
+                              ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attr<int64_t>("plan"));
+
+#ifdef JB_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_torch_call_cuda, call_cuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("plan"));
+#endif
+
+extern "C" {
+
+// 1 when this library has the CUDA handler.
+int jb_has_cuda() {
+#ifdef JB_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// The message of the last failed jb_register_plan on this thread.
+const char* jb_last_error() { return g_last_error.c_str(); }
+
+// Resolve `op` (`ns::name`) / `overload` ("" for the default) once and decode its static
+// arguments. Returns the plan id (a hash of what was registered, so a program that names it
+// means the same call in every process), or -1 with the reason in jb_last_error().
+int64_t jb_register_plan(const char* op, const char* overload, const char* encoded) {
+  try {
+    const std::string key = std::string(op) + '\0' + overload + '\0' + encoded;
+    const int64_t id = static_cast<int64_t>(fnv1a(key) >> 2);  // non-negative, -1 stays free
+    {
+      std::shared_lock<std::shared_mutex> lock(g_plans_mu);
+      auto it = g_plan_keys.find(id);
+      if (it != g_plan_keys.end()) {
+        if (it->second == key) return id;
+        g_last_error = "plan id collision between two different plans; use call_path=\"callback\" for op " +
+                       std::string(op);
+        return -1;
+      }
+    }
+    auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(op, overload);
+    std::string name = std::string(op) + (overload[0] ? std::string(".") + overload : std::string());
+    auto plan = std::make_unique<Plan>(name, handle);
+    decode_plan(*plan, encoded);
+    std::unique_lock<std::shared_mutex> lock(g_plans_mu);
+    if (g_plan_keys.count(id) == 0) {
+      g_plans.emplace(id, std::move(plan));
+      g_plan_keys.emplace(id, key);
+    }
+    return id;
+  } catch (const c10::Error& e) {
+    g_last_error = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    g_last_error = e.what();
+  } catch (...) {
+    g_last_error = "unknown C++ exception";
+  }
+  return -1;
+}
+
+}  // extern "C"
