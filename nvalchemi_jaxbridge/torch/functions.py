@@ -47,6 +47,14 @@ from ..lower.tables import device_tables, is_halo_plan, is_shard_plan
 # Not a user setting: both paths give the same results.
 _HOST_SYNC = os.environ.get("JAXBRIDGE_FRONT_DOOR_HOST_SYNC", "0") == "1"
 
+# Benchmark switch of issue 7 (benchmarks/front_door.py times both in one run). True: a
+# transform reuses what does not change between calls (its `Step` with bound programs,
+# per plan context and block shape; the global array's sharding; zero padding blocks;
+# dtype lookups) and exports with `addressable_data(0)`. False: the code before issue 7,
+# which rebuilt all of these on every call. Not a user setting: both paths give the same
+# results and run the same programs in the same stream order.
+_FAST_PATH = True
+
 # The most recent plans' contexts (device tables included). Bounded, so an MD run that
 # rebuilds its plan every few steps does not keep every old plan's tables alive; an
 # evicted plan that comes back gets a fresh context (its tables uploaded again).
@@ -102,6 +110,16 @@ class PlanContext:
     def device(self) -> Any:
         """This process's JAX device."""
         return self.mesh.devices.flat[self.rank]
+
+    @functools.cached_property
+    def row_sharding(self) -> NamedSharding:
+        """The sharding of a global array of stacked per-rank blocks, `P(axis)`."""
+        return NamedSharding(self.mesh, P(self.axis))
+
+    @functools.cached_property
+    def memo(self) -> dict[tuple, Any]:
+        """Per-context cache of the fast path: steps by (transform, shape, dtype, flags), zero blocks."""
+        return {}
 
     def owned_ids(self) -> np.ndarray:
         """Global ids of this rank's owned rows, in row order."""
@@ -221,7 +239,8 @@ def _to_global(ctx: PlanContext, t: torch.Tensor, name: str) -> tuple[jax.Array,
     a = torch_to_jax(t.detach().contiguous(), name=name, copy=True)
     placed = a if a.sharding.device_set == {ctx.device} else jax.device_put(a, ctx.device)
     gshape = (ctx.n_devices * t.shape[0],) + tuple(t.shape[1:])
-    return jax.make_array_from_single_device_arrays(gshape, NamedSharding(ctx.mesh, P(ctx.axis)), [placed]), a
+    sharding = ctx.row_sharding if _FAST_PATH else NamedSharding(ctx.mesh, P(ctx.axis))
+    return jax.make_array_from_single_device_arrays(gshape, sharding, [placed]), a
 
 
 def _call(ctx: PlanContext, program: Callable[[jax.Array], jax.Array], x: torch.Tensor, name: str
@@ -268,11 +287,16 @@ def _call(ctx: PlanContext, program: Callable[[jax.Array], jax.Array], x: torch.
     # stream, is not covered (nor was it with the host sync).
     #
     # On CPU torch.from_dlpack blocks until `out` is ready (no streams), as before.
-    y = jax_to_torch(out.addressable_shards[0].data, name=name)
+    y = _local_out(out, name)
     if x.is_cuda:
         x.record_stream(torch.cuda.current_stream(x.device))
     del g, imported, out  # only now may the input memory go back to torch
     return y
+
+
+def _local_out(out: jax.Array, name: str) -> torch.Tensor:
+    """This rank's shard of a program's output as a torch tensor (DLPack, no copy)."""
+    return jax_to_torch(out.addressable_data(0) if _FAST_PATH else out.addressable_shards[0].data, name=name)
 
 
 def _on_cpu(a: jax.Array) -> bool:
@@ -280,24 +304,62 @@ def _on_cpu(a: jax.Array) -> bool:
     return next(iter(a.sharding.device_set)).platform == "cpu"
 
 
-def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """`t` with zero rows appended up to `rows` (no copy when it already has them)."""
+def _pad(t: torch.Tensor, rows: int, memo: dict[tuple, Any] | None = None) -> torch.Tensor:
+    """`t` with zero rows appended up to `rows` (no copy when it already has them).
+
+    With `memo` (a context's cache, fast path) the zero rows come from a cached
+    block and one `torch.cat` makes the result (one kernel instead of fill + copy).
+    """
     n = t.shape[0]
     if n == rows:
         return t
     if n > rows:
         raise ValueError(f"internal: block of {n} rows exceeds the capacity {rows}")
+    if memo is not None:
+        key = ("zeros", rows - n, tuple(t.shape[1:]), t.dtype, t.device)
+        zeros = memo.get(key)
+        if zeros is None:
+            zeros = memo[key] = t.new_zeros((rows - n,) + tuple(t.shape[1:]))
+        return torch.cat([t, zeros])
     out = t.new_zeros((rows,) + tuple(t.shape[1:]))
     out[:n] = t
     return out
 
 
-def run(ctx: PlanContext, prog: Program, x: torch.Tensor, rows_out: int, name: str, *, adjoint: bool = False
+def _padder(ctx: PlanContext) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """`_pad` for the current path (cached zero blocks on the fast path)."""
+    return functools.partial(_pad, memo=ctx.memo) if _FAST_PATH else _pad
+
+
+def _bind(ctx: PlanContext, prog: Program, *, adjoint: bool = False, tables: Any = None
+          ) -> Callable[[jax.Array], jax.Array]:
+    """`prog`'s forward (or VJP) as a function of the global array alone (`tables` or the context's bound)."""
+    if tables is None and prog.uses_tables:
+        tables = ctx.tables
+    return functools.partial(prog.bwd, tables) if adjoint else functools.partial(_fwd_call, prog.fwd, tables)
+
+
+def _fwd_call(fwd: Callable[..., jax.Array], tables: Any, g: jax.Array) -> jax.Array:
+    """`fwd(g, tables)` (the argument order of the jitted forward)."""
+    return fwd(g, tables)
+
+
+def run(ctx: PlanContext, program: Callable[[jax.Array], jax.Array], x: torch.Tensor, rows_out: int, name: str
         ) -> torch.Tensor:
-    """Run `prog` (or its VJP) on this rank's block `x`; keep the first `rows_out` rows of the result."""
-    tables = ctx.tables if prog.uses_tables else None
-    y = _call(ctx, functools.partial(prog.bwd, tables) if adjoint else lambda g: prog.fwd(g, tables), x, name)
+    """Run a bound program (see `_bind`) on this rank's block `x`; keep the first `rows_out` rows of the result."""
+    y = _call(ctx, program, x, name)
     return y if y.ndim == 0 else y[:rows_out]
+
+
+def _cached_step(ctx: PlanContext, key: tuple, build: Callable[[], Step]) -> Step:
+    """`build()`, kept in `ctx.memo` under `key` on the fast path (rebuilt per call otherwise)."""
+    if not _FAST_PATH:
+        return build()
+    memo = ctx.memo
+    step = memo.get(key)
+    if step is None:
+        step = memo[key] = build()
+    return step
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -356,19 +418,25 @@ class AdjointFn(_Transform):
 
 def gather_inputs_step(ctx: PlanContext, shape: tuple[int, ...], dtype: Any, *, positions: bool) -> Step:
     """Owned block `(n_owned, *F)` -> halo block `(n_owned + n_ghost, *F)`."""
+    key = ("gather_inputs", tuple(shape), np.dtype(dtype), positions)
+    return _cached_step(ctx, key, lambda: _gather_inputs_step(ctx, tuple(shape), dtype, positions))
+
+
+def _gather_inputs_step(ctx: PlanContext, shape: tuple[int, ...], dtype: Any, positions: bool) -> Step:
+    """Build `gather_inputs_step`'s step."""
     tail = tuple(shape[1:])
-    n_pad = ctx.n_owned + ctx.n_ghost
-    t = ctx.tables
+    n_pad, oc, hr, n_owned = ctx.n_owned + ctx.n_ghost, ctx.owned_capacity, ctx.halo_rows, ctx.n_owned
     progs = {
         p: _program(ctx, f"gather_inputs(positions={p})",
                     functools.partial(_halo_forward, axis=ctx.axis, positions=p),
-                    (ctx.owned_capacity,) + tail, dtype, tables=t)
+                    (oc,) + tail, dtype, tables=ctx.tables)
         for p in {positions, False}
     }
-    name = "GatherInputs argument"
-    fwd = lambda x, p=positions: run(ctx, progs[p], _pad(x, ctx.owned_capacity), n_pad, name)  # noqa: E731
-    bwd = lambda g: run(ctx, progs[False], _pad(g, ctx.halo_rows), ctx.n_owned, name, adjoint=True)  # noqa: E731
-    lin = lambda x: run(ctx, progs[False], _pad(x, ctx.owned_capacity), n_pad, name)  # noqa: E731
+    fwd_p, lin_p, adj_p = _bind(ctx, progs[positions]), _bind(ctx, progs[False]), _bind(ctx, progs[False], adjoint=True)
+    pad, name = _padder(ctx), "GatherInputs argument"
+    fwd = lambda x: run(ctx, fwd_p, pad(x, oc), n_pad, name)  # noqa: E731
+    bwd = lambda g: run(ctx, adj_p, pad(g, hr), n_owned, name)  # noqa: E731
+    lin = lambda x: run(ctx, lin_p, pad(x, oc), n_pad, name)  # noqa: E731
     return Step(fwd, bwd, lin)
 
 
@@ -379,12 +447,19 @@ def _halo_forward(x: jax.Array, t: Any, *, axis: str, positions: bool) -> jax.Ar
 
 def scatter_outputs_step(ctx: PlanContext, shape: tuple[int, ...], dtype: Any) -> Step:
     """Halo block `(n_owned + n_ghost, *F)` -> the same rows, ghost partials folded into owners."""
-    n_pad = ctx.n_owned + ctx.n_ghost
+    key = ("scatter_outputs", tuple(shape), np.dtype(dtype))
+    return _cached_step(ctx, key, lambda: _scatter_outputs_step(ctx, tuple(shape), dtype))
+
+
+def _scatter_outputs_step(ctx: PlanContext, shape: tuple[int, ...], dtype: Any) -> Step:
+    """Build `scatter_outputs_step`'s step."""
+    n_pad, hr = ctx.n_owned + ctx.n_ghost, ctx.halo_rows
     prog = _program(ctx, "scatter_outputs", functools.partial(_halo_scatter, axis=ctx.axis),
-                    (ctx.halo_rows,) + tuple(shape[1:]), dtype, tables=ctx.tables)
-    name = "ScatterOutputs output"
-    fwd = lambda x: run(ctx, prog, _pad(x, ctx.halo_rows), n_pad, name)  # noqa: E731
-    bwd = lambda g: run(ctx, prog, _pad(g, ctx.halo_rows), n_pad, name, adjoint=True)  # noqa: E731
+                    (hr,) + tuple(shape[1:]), dtype, tables=ctx.tables)
+    fwd_p, adj_p = _bind(ctx, prog), _bind(ctx, prog, adjoint=True)
+    pad, name = _padder(ctx), "ScatterOutputs output"
+    fwd = lambda x: run(ctx, fwd_p, pad(x, hr), n_pad, name)  # noqa: E731
+    bwd = lambda g: run(ctx, adj_p, pad(g, hr), n_pad, name)  # noqa: E731
     return Step(fwd, bwd)
 
 
@@ -402,19 +477,32 @@ def _sum_per_rank(x: jax.Array, *, axis: str, replicated_consumer: bool) -> jax.
 
 def all_reduce_step(ctx: PlanContext, shape: tuple[int, ...], dtype: Any, *, replicated_consumer: bool) -> Step:
     """Any-shape partial -> the sum over ranks (same shape)."""
+    key = ("all_reduce_sum", tuple(shape), np.dtype(dtype), replicated_consumer)
+    return _cached_step(ctx, key, lambda: _all_reduce_step(ctx, tuple(shape), dtype, replicated_consumer))
+
+
+def _all_reduce_step(ctx: PlanContext, shape: tuple[int, ...], dtype: Any, replicated_consumer: bool) -> Step:
+    """Build `all_reduce_step`'s step."""
     local = (1,) + tuple(shape)
     fn = functools.partial(_sum_per_rank, axis=ctx.axis, replicated_consumer=replicated_consumer)
     prog = _program(ctx, f"all_reduce_sum(replicated_consumer={replicated_consumer})", fn, local, dtype)
+    fwd_p, adj_p = _bind(ctx, prog), _bind(ctx, prog, adjoint=True)
     name = "AllReduceSum output"
 
-    def go(x: torch.Tensor, adjoint: bool) -> torch.Tensor:
-        return run(ctx, prog, x.reshape(local), 1, name, adjoint=adjoint).reshape(shape)
+    def go(x: torch.Tensor, program: Callable[[jax.Array], jax.Array]) -> torch.Tensor:
+        return run(ctx, program, x.reshape(local), 1, name).reshape(shape)
 
-    return Step(lambda x: go(x, False), lambda g: go(g, True))
+    return Step(lambda x: go(x, fwd_p), lambda g: go(g, adj_p))
 
 
 def gather_full_step(ctx: PlanContext, shape: tuple[int, ...], dtype: Any) -> Step:
     """Owned block `(n_owned, *F)` -> `(n_global, *F)` in global-id order (sharded storage)."""
+    key = ("gather_full", tuple(shape), np.dtype(dtype))
+    return _cached_step(ctx, key, lambda: _gather_full_step(ctx, tuple(shape), dtype))
+
+
+def _gather_full_step(ctx: PlanContext, shape: tuple[int, ...], dtype: Any) -> Step:
+    """Build `gather_full_step`'s step."""
     t = ctx.tables if ctx.kind == "shard" else ctx.shard_tables
     prog = _program(ctx, "gather_full", functools.partial(_gather_full, axis=ctx.axis),
                     (ctx.owned_capacity,) + tuple(shape[1:]), dtype, tables=t)
@@ -428,6 +516,12 @@ def _gather_full(x: jax.Array, t: Any, *, axis: str) -> jax.Array:
 
 def slice_outputs_owned_step(ctx: PlanContext, shape: tuple[int, ...], dtype: Any) -> Step:
     """Kernel output `(n_global, *F)` -> this rank's owned rows `(n_owned, *F)`."""
+    key = ("slice_outputs_owned", tuple(shape), np.dtype(dtype))
+    return _cached_step(ctx, key, lambda: _slice_outputs_owned_step(ctx, tuple(shape), dtype))
+
+
+def _slice_outputs_owned_step(ctx: PlanContext, shape: tuple[int, ...], dtype: Any) -> Step:
+    """Build `slice_outputs_owned_step`'s step."""
     t = ctx.tables
     prog = _program(ctx, "slice_outputs_owned", functools.partial(_slice_owned_out, axis=ctx.axis),
                     (ctx.n_global,) + tuple(shape[1:]), dtype, tables=t)
@@ -442,13 +536,12 @@ def _slice_owned_out(x: jax.Array, t: Any, *, axis: str) -> jax.Array:
 def _shard_step(ctx: PlanContext, prog: Program, tables: Any, in_rows: int, out_rows: int, back_rows: int,
                 name: str) -> Step:
     """A step over shard tables (which may differ from `ctx.tables` for a halo plan)."""
-
-    def go(x: torch.Tensor, pad_to: int, keep: int, adjoint: bool) -> torch.Tensor:
-        program = functools.partial(prog.bwd, tables) if adjoint else lambda g: prog.fwd(g, tables)
-        return _call(ctx, program, _pad(x, pad_to), name)[:keep]
-
+    fwd_p, adj_p = _bind(ctx, prog, tables=tables), _bind(ctx, prog, adjoint=True, tables=tables)
+    pad = _padder(ctx)
     out_cap = ctx.n_global if in_rows == ctx.owned_capacity else ctx.owned_capacity
-    return Step(lambda x: go(x, in_rows, out_rows, False), lambda g: go(g, out_cap, back_rows, True))
+    fwd = lambda x: _call(ctx, fwd_p, pad(x, in_rows), name)[:out_rows]  # noqa: E731
+    bwd = lambda g: _call(ctx, adj_p, pad(g, out_cap), name)[:back_rows]  # noqa: E731
+    return Step(fwd, bwd)
 
 
 def apply(fn: type[_Transform], x: torch.Tensor, step: Step) -> torch.Tensor:
@@ -468,6 +561,19 @@ def gather_owned(ctx: PlanContext, owned: torch.Tensor) -> torch.Tensor:
     return apply(GatherOwnedFn, owned, gather_full_step(ctx, tuple(owned.shape), _jax_dtype(owned)))
 
 
+_JAX_DTYPES: dict[torch.dtype, Any] = {}
+
+
 def _jax_dtype(t: torch.Tensor) -> Any:
-    """The numpy dtype matching a torch tensor's dtype."""
-    return torch.empty((), dtype=t.dtype).numpy().dtype if t.dtype != torch.bfloat16 else jnp.bfloat16
+    """The numpy dtype matching a torch tensor's dtype (looked up once per dtype on the fast path)."""
+    if _FAST_PATH:
+        hit = _JAX_DTYPES.get(t.dtype)
+        if hit is None:
+            hit = _JAX_DTYPES[t.dtype] = _numpy_dtype(t.dtype)
+        return hit
+    return _numpy_dtype(t.dtype)
+
+
+def _numpy_dtype(dtype: torch.dtype) -> Any:
+    """The numpy dtype of a torch dtype (bfloat16: JAX's)."""
+    return torch.empty((), dtype=dtype).numpy().dtype if dtype != torch.bfloat16 else jnp.bfloat16
