@@ -294,3 +294,5 @@ for _op in (lj_energy_forces, lj_energy_forces_triton):
 for _op in (dsf_energy_forces, dsf_energy_forces_triton):
     _op.register_autograd(_backward_dsf, setup_context=_setup_dsf)
 del _op
+
+from . import torch_cells  # noqa: E402, F401  registers jaxbridge_demo::lj_energy_forces_cells
