@@ -585,12 +585,7 @@ class TorchOpKernel:
         }
         entries = []
         for i, p in enumerate(self._params):
-            if i in slot:
-                entries.append((p.name, p.type_str, slot[i]))
-            elif p.kind == _TENSOR_LIST and statics[i] is not None:
-                raise plans.Ineligible(f"argument {p.name!r} (position {i}) is a {p.type_str}, which the FFI plan cannot hold")
-            else:
-                entries.append((p.name, p.type_str, statics[i]))
+            entries.append((p.name, p.type_str, slot.get(i, statics[i])))  # a Tensor list is refused by encode
         return plans.encode(len(array_pos), entries)
 
     def _fake_run(
