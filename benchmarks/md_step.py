@@ -1,6 +1,7 @@
-"""End-to-end MD step: Lennard-Jones argon and charged NaCl (DSF), torch and Triton kernels.
+"""End-to-end MD step: Lennard-Jones argon and charged NaCl (DSF), torch, Triton and cell-list kernels.
 
     PYTHONPATH=. python3 benchmarks/md_step.py --out OUTDIR [--smoke] [--budget-s 240]
+        [--systems lj,dsf] [--kernels torch,triton,torch-cells]
 
 For each system, kernel and size three runs of a velocity Verlet step:
 - `torch, 1 dev`: no bridge. The torch op on the full periodic system on one
@@ -11,9 +12,12 @@ For each system, kernel and size three runs of a velocity Verlet step:
   `CompiledSpec` pytree (GatherInputs -> torch/Triton op via buffer_callback ->
   ScatterOutputs + AllReduceSum) plus the Verlet update; one process drives both
   devices through a 2-device mesh. Timed by wall clock + `block_until_ready`.
-The demo kernels are dense: O(R^2) pairs (and, for the torch ops, R^2 memory) per
-block of R rows. Sizes grow until a step takes longer than --limit-s, a run runs
-out of memory, or the time budget is spent; the table says which.
+The `torch` and `triton` demo kernels are dense: O(R^2) pairs (and, for the torch
+ops, R^2 memory) per block of R rows. `torch-cells` (LJ only) is the cell-list op
+`jaxbridge_demo::lj_energy_forces_cells`: O(R) work and memory, chunked, so its
+ladder runs from ~10^4 to ~2 x 10^6 atoms. Sizes grow until a step takes longer
+than --limit-s, a run runs out of memory, or the time budget is spent; the table
+says which.
 First-step forces of every bridge run are checked against the no-bridge run.
 """
 
@@ -27,7 +31,16 @@ import _common as cm
 import numpy as np
 
 LADDER = {"lj": [14, 18, 22, 28, 35], "dsf": [11, 14, 18, 22, 28]}  # cubic cells; 4 resp. 8 atoms each
+# the cell-list op: 10976, 42592, 171500, 500000, 1000188 and 2048000 argon atoms
+LADDER_CELLS = [14, 22, 35, 50, 63, 80]
 SMOKE_LADDER = {"lj": [2], "dsf": [2]}
+SMOKE_LADDER_CELLS = [2, 3]
+KERNELS = ("torch", "triton", "torch-cells")
+OP_NAMES = {  # (system, kernel) -> jaxbridge_demo:: op
+    ("lj", "torch"): "lj_energy_forces", ("lj", "triton"): "lj_energy_forces_triton",
+    ("lj", "torch-cells"): "lj_energy_forces_cells",
+    ("dsf", "torch"): "dsf_energy_forces", ("dsf", "triton"): "dsf_energy_forces_triton",
+}
 SMOKE_CUTOFF = 4.5  # A: smaller blocks, so the Triton interpreter finishes quickly on the CPU
 DT = {"lj": 2.0, "dsf": 1.0}  # fs
 MODES = ("torch, 1 dev", "bridge, 1 dev", "bridge, 2 dev")
@@ -66,13 +79,22 @@ def make_case(kind: str, kernel: str, cells: int, cutoff: float | None = None) -
 
 
 def op_for(kind: str, kernel: str):
-    """The demo op: jaxbridge_demo::{lj,dsf}_energy_forces[_triton]."""
+    """The demo op: jaxbridge_demo::{lj,dsf}_energy_forces[_triton] or lj_energy_forces_cells."""
     import torch
 
-    import nvalchemi_jaxbridge.demo.torch_ops  # noqa: F401 - registers the ops
+    import nvalchemi_jaxbridge.demo.torch_ops  # noqa: F401 - registers the ops (the cell-list op too)
 
-    name = {"lj": "lj_energy_forces", "dsf": "dsf_energy_forces"}[kind] + ("_triton" if kernel == "triton" else "")
-    return getattr(torch.ops.jaxbridge_demo, name).default
+    if (kind, kernel) not in OP_NAMES:
+        have = ", ".join(f"{k}/{kn}" for k, kn in OP_NAMES)
+        raise SystemExit(f"md_step: no {kernel!r} kernel for the {kind!r} system; available: {have}.")
+    return getattr(torch.ops.jaxbridge_demo, OP_NAMES[kind, kernel]).default
+
+
+def ladder_for(kind: str, kernel: str, smoke: bool) -> list[int]:
+    """Cubic cells per axis of the sizes to run: the cell-list op goes far past the dense ops."""
+    if kernel == "torch-cells":
+        return SMOKE_LADDER_CELLS if smoke else LADDER_CELLS
+    return (SMOKE_LADDER if smoke else LADDER)[kind]
 
 
 def plan_for(case: Case, n_devices: int, skin: float):
@@ -269,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit-s", type=float, default=1.0, help="largest step time worth growing past")
     p.add_argument("--iters", type=int, default=None, help="timed steps (default 8, smoke 2)")
     p.add_argument("--systems", default="lj,dsf", help="comma list of lj, dsf")
-    p.add_argument("--kernels", default="torch,triton", help="comma list of torch, triton")
+    p.add_argument("--kernels", default="torch,triton,torch-cells",
+                   help="comma list of torch, triton, torch-cells (the cell-list op; LJ only)")
     p.add_argument("--skin", type=float, default=1.0)
     a = p.parse_args(argv)
     platform = cm.setup(a.platform)
@@ -278,7 +301,6 @@ def main(argv: list[str] | None = None) -> int:
 
     iters = a.iters or (2 if a.smoke else 8)
     warmup = 0 if a.smoke else 1  # plus the one step that chooses the repetitions
-    ladder = SMOKE_LADDER if a.smoke else LADDER
     dev = torch.device("cuda", 0) if platform == "gpu" else torch.device("cpu")
     settings = {"dtype": a.dtype, "cutoff": f"{SMOKE_CUTOFF} A (smoke)" if a.smoke else "LJ 8.5 A, DSF 9.0 A", "timing": f"median of up to {iters} steps (at most ~3 s of steps, >= 3) after {warmup + 1} warm-up",
                 "plan": f"HaloPlan headroom 1.0, skin {a.skin} A, built once (no rebuild during the timed steps)",
@@ -293,7 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     summary: dict[tuple[str, str], dict[str, float]] = {}
     failed_parity = []
-    combos = [(k, kn) for k in a.systems.split(",") if k for kn in a.kernels.split(",") if kn]
+    kernels = [kn for kn in a.kernels.split(",") if kn]
+    if bad := sorted(set(kernels) - set(KERNELS)):
+        raise SystemExit(f"md_step: unknown --kernels {bad}; choose from {', '.join(KERNELS)}.")
+    combos = [(k, kn) for k in a.systems.split(",") if k for kn in kernels if (k, kn) in OP_NAMES]
+    for k, kn in [(k, kn) for k in a.systems.split(",") if k for kn in kernels if (k, kn) not in OP_NAMES]:
+        rep.note(f"{k}/{kn}: not run, there is no {kn} op for {k} (only LJ has a cell-list op).")
     for i_combo, (kind, kernel) in enumerate(combos):
         # each system/kernel pair gets an equal share of what is left of the budget
         left = a.budget_s - (time.perf_counter() - t_start)
@@ -301,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         alive = {m: True for m in MODES}
         if len(jax.devices()) < 2:
             alive["bridge, 2 dev"] = False
-        for cells in ladder[kind]:
+        for cells in ladder_for(kind, kernel, a.smoke):
             if not any(alive.values()):
                 break
             if time.perf_counter() > deadline:
@@ -371,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
             rep.note(f"{kind}/{kernel}: " + "; ".join(parts) + ".")
         rep.note("Rows per device: every per-atom array of the bridge runs is held as owned storage "
                  "(owned_capacity rows) or halo storage (halo_rows = owned + ghost capacity); 'needed' is the "
-                 "largest n_owned + n_ghost. The dense demo kernels see the whole halo block.")
+                 "largest n_owned + n_ghost. Every kernel sees the whole halo block; the dense ones (torch, "
+                 "triton) evaluate all of its R^2 row pairs, torch-cells only the pairs of neighbouring cells.")
     return rep.finish()
 
 
