@@ -12,11 +12,23 @@ three exchanges in torch with `torch.distributed.all_to_all_single` (NCCL on GPU
 gloo on the CPU) from the same plan's tables, and its result is checked against
 the front door's. Per-call wall time (synchronize after each call), median per
 rank; the table shows the slower rank.
+
+Three front-door paths, set by the private switches of `functions` in the same
+run: the host sync after every program (the first DLPack-race fix), the
+stream-ordered release with every piece rebuilt per call (before issue 7), and
+the stream-ordered release on the fast path (cached steps, sharding, zero blocks).
+
+The breakdown table (issue 7) splits one GatherInputs transform of the same plan
+into its parts, each timed alone in interleaved rounds: a trivial jitted program
+over the 2-process array (the dispatch floor), the bare `ppermute` of the same
+rows, the torch -> JAX import, the JAX -> torch export, the padding, the whole
+transform, and one `all_to_all_single` of the same bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import tempfile
@@ -30,7 +42,25 @@ CELLS = [8, 16, 24]
 SMOKE_CELLS = [2]
 FEATURES = 3
 CHAIN = 10
-PATHS = {"front door (host sync, before)": True, "front door (stream-ordered, after)": False}
+# name -> (functions._HOST_SYNC, functions._FAST_PATH)
+PATHS = {
+    "front door: host sync, rebuilt per call (first fix)": (True, False),
+    "front door: stream-ordered, rebuilt per call (before issue 7)": (False, False),
+    "front door: stream-ordered, fast path (after issue 7)": (False, True),
+}
+BEFORE, AFTER = list(PATHS)[1:]
+# Breakdown steps: key -> label; keys in FAST_STEPS run on both values of _FAST_PATH.
+STEPS = {
+    "i": "(i) trivial program x + 1, no collective (pre-built global array)",
+    "ii": "(ii) bare ppermute of the same rows (pre-built global array)",
+    "ii+": "(ii+) the transform's jitted program alone (pre-built global array, device tables)",
+    "iii": "(iii) import: torch_to_jax + make_array_from_single_device_arrays",
+    "iv": "(iv) export: local shard + jax_to_torch",
+    "v": "(v) _pad to the owned capacity",
+    "vi": "(vi) whole GatherInputs transform (halo_from_owned)",
+    "vii": "(vii) all_to_all_single of the same bytes",
+}
+FAST_STEPS = ("iii", "iv", "v", "vi")
 
 
 def _launch(argv: list[str], timeout_s: float) -> int:
@@ -137,6 +167,7 @@ def rank_main(a) -> int:
     from nvalchemi_jaxbridge.layout import HaloPlan
     from nvalchemi_jaxbridge.spec import OpAdapter
     from nvalchemi_jaxbridge.torch import ShardTensor, installed
+    from nvalchemi_jaxbridge.torch import functions as F
 
     rank, world = info.rank, info.world_size
     dev = torch.device("cuda", info.local_rank) if platform == "gpu" else torch.device("cpu")
@@ -151,8 +182,13 @@ def rank_main(a) -> int:
                     "timing": (f"median of {iters} calls after {warmup} warm-up, wall + synchronize after each; "
                                f"chain: {CHAIN} calls, one synchronize, time / {CHAIN}; the paths alternate in two "
                                "rounds; slower rank shown"),
-                    "paths": "host sync = functions._HOST_SYNC on (a host wait per JAX program, before); "
-                             "stream-ordered = off (event waits only, after)",
+                    "paths": "host sync = functions._HOST_SYNC on (a host wait per JAX program); "
+                             "stream-ordered = off (event waits only); rebuilt per call = functions._FAST_PATH "
+                             "off (the code before issue 7); fast path = on",
+                    "breakdown": (f"GatherInputs of the same plan, {iters} calls per step after {warmup} warm-up, "
+                                  f"in {_rounds(a.smoke)} interleaved rounds; sync each: every call followed by "
+                                  "block_until_ready / torch.cuda.synchronize; chain: {CHAIN} calls, one sync, "
+                                  f"time / {CHAIN}; median per rank, slower rank shown").replace("{CHAIN}", str(CHAIN)),
                     "reference": f"torch.distributed all_to_all_single ({'nccl' if platform == 'gpu' else 'gloo'})"}
         rep = cm.Report("front_door", "PyTorch front door vs torch.distributed (2 processes)", a.out,
                         cm.context(platform), settings)
@@ -160,6 +196,10 @@ def rank_main(a) -> int:
                          ["atoms", "rows/rank (owned / halo)", "ghost rows sent", "bytes/exchange/dir", "path",
                           "per call, sync each (us)", f"per call, chain of {CHAIN} (us)", "/ all_to_all_single",
                           "same result"])
+        bd_rows = rep.table("Breakdown of one GatherInputs transform (issue 7)",
+                            ["atoms", "owned rows per rank of capacity / halo rows", "step", "path",
+                             "sync each (us), slower rank", "sync each, per rank (us)",
+                             f"chain of {CHAIN}, per call (us)", "/ (vii) all_to_all_single"])
     _lib, op = _identity_op()
     adapter = OpAdapter(op, gather_inputs=[0], scatter_outputs=[0])
     sync = (lambda _: torch.cuda.synchronize(dev)) if platform == "gpu" else (lambda _: None)
@@ -183,7 +223,7 @@ def rank_main(a) -> int:
                 for rnd in range(2):  # alternate the paths so that drift hits both alike
                     for name, sync_on in [*PATHS.items(), ("all_to_all_single", None)]:
                         call = ref if sync_on is None else fd
-                        with _host_sync(sync_on):
+                        with _switches(sync_on):
                             n = iters // 2 if rnd == 0 else iters - iters // 2
                             times[name] += cm.time_calls(call, warmup=warmup, iters=n, sync=sync)
                             chained[name] += [t / CHAIN for t in cm.time_calls(
@@ -209,9 +249,18 @@ def rank_main(a) -> int:
                         rep.note(f"{s.n_atoms} atoms: {name} and the all_to_all reference disagree.")
                         failures += 1
                 med = {k: (max(r[0][k][0] for r in stats), max(r[0][k][1] for r in stats)) for k in PATHS}
-                (before, after) = (med[k] for k in PATHS)
-                rep.note(f"{s.n_atoms} atoms: stream-ordered / host sync = {after[0] / before[0]:.2f} (sync each), "
-                         f"{after[1] / before[1]:.2f} (chain of {CHAIN}).")
+                (first, before, after) = (med[k] for k in PATHS)
+                rep.note(f"{s.n_atoms} atoms: stream-ordered / host sync = {before[0] / first[0]:.2f} (sync each), "
+                         f"{before[1] / first[1]:.2f} (chain of {CHAIN}); fast path / rebuilt per call = "
+                         f"{after[0] / before[0]:.2f} (sync each), {after[1] / before[1]:.2f} (chain of {CHAIN}).")
+            bd, frames = _breakdown(F.context_for(plan), owned, ex, dev, iters=iters, warmup=warmup,
+                                    rounds=_rounds(a.smoke))
+            bd_stats = [None] * world
+            dist.all_gather_object(bd_stats, ({k: cm.med(v) for k, v in bd.items()}, frames))  # per rank
+            if rep is not None:
+                owned_rows = "+".join(str(int(n)) for n in np.asarray(plan.n_owned))
+                _breakdown_rows(rep, bd_rows, s.n_atoms, f"{owned_rows} of {plan.owned_capacity} / {plan.halo_rows}",
+                                bd_stats)
         except Exception as e:  # noqa: BLE001 - record and go on (a one-rank failure ends in the launcher timeout)
             failures += 1
             msg = f"{s.n_atoms if 's' in locals() else '?'} atoms on rank {rank} FAILED - {type(e).__name__}: {e}"
@@ -227,18 +276,129 @@ def rank_main(a) -> int:
     return code if rank == 0 else (1 if failures else 0)
 
 
-@contextlib.contextmanager
-def _host_sync(on: bool | None) -> Iterator[None]:
-    """Set the front door's private host-sync switch inside the block (None: leave it as it is)."""
+def _rounds(smoke: bool) -> int:
+    """Interleaved rounds of the breakdown."""
+    return 2 if smoke else 10
+
+
+def _breakdown(ctx, owned, ex, dev, *, iters: int, warmup: int, rounds: int
+               ) -> tuple[dict[tuple[str, str], list[float]], dict[str, int]]:
+    """Per-call seconds of each breakdown step on this rank, and jit's Python frames per program call.
+
+    `owned` is this rank's owned storage (owned-capacity rows); the transform reads
+    its first `n_owned` rows, as the installed op path does. Keys: (step, path),
+    path "" for steps that do not depend on `_FAST_PATH`.
+    """
+    import jax
+    import torch
+    from jax.sharding import PartitionSpec as P
+
     from nvalchemi_jaxbridge.torch import functions as F
 
-    old = F._HOST_SYNC
-    if on is not None:
-        F._HOST_SYNC = on
+    oc, axis, n_dev = ctx.owned_capacity, ctx.axis, ctx.n_devices
+    own_n = owned[: ctx.n_owned].contiguous()
+    block = F._pad(own_n, oc)
+    g, _imported = F._to_global(ctx, block, "breakdown block")  # kept alive with `block`
+    smap = lambda f: jax.jit(jax.shard_map(f, mesh=ctx.mesh, in_specs=P(axis), out_specs=P(axis)))  # noqa: E731
+    trivial = smap(lambda x: x + 1)
+    perm = [(i, (i + 1) % n_dev) for i in range(n_dev)]
+    ppermute = smap(lambda x: jax.lax.ppermute(x, axis, perm))
+    out = jax.block_until_ready(trivial(g))  # a program output of the block's shape, to export
+    prog = F._program(ctx, "gather_inputs(positions=False)",  # the transform's program (cached: same key)
+                      functools.partial(F._halo_forward, axis=axis, positions=False), tuple(block.shape),
+                      F._jax_dtype(block), tables=ctx.tables)
+    send = owned[ex.send].contiguous()
+    torch_sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+
+    def jax_sync(r: Any) -> None:
+        jax.block_until_ready(r)
+        torch_sync()
+
+    calls = {
+        "i": (lambda: trivial(g), jax_sync),
+        "ii": (lambda: ppermute(g), jax_sync),
+        "ii+": (lambda: prog.fwd(g, ctx.tables), jax_sync),
+        "iii": (lambda: F._to_global(ctx, block, "breakdown block")[0], jax_sync),
+        "iv": (lambda: F._local_out(out, "breakdown output"), lambda _: torch_sync()),
+        "v": (lambda: F._pad(own_n, oc, ctx.memo if F._FAST_PATH else None), lambda _: torch_sync()),
+        "vi": (lambda: F.halo_from_owned(ctx, own_n, positions=False), lambda _: torch_sync()),
+        "vii": (lambda: ex._a2a(send, len(ex.recv), ex.send_split, ex.recv_split), lambda _: torch_sync()),
+    }
+    plan = [(k, p) for k in STEPS for p in ((BEFORE, AFTER) if k in FAST_STEPS else ("",))]
+    times: dict[tuple[str, str, str], list[float]] = {(k, p, m): [] for k, p in plan for m in ("each", "chain")}
+    per_round = max(iters // rounds, 1)
+    for rnd in range(rounds):
+        for key, path in plan:
+            fn, sync = calls[key]
+            with _switches(PATHS.get(path)):
+                times[(key, path, "each")] += cm.time_calls(fn, warmup=warmup if rnd == 0 else 1, iters=per_round,
+                                                            sync=sync)
+                times[(key, path, "chain")] += [t / CHAIN for t in cm.time_calls(
+                    _chain(fn, CHAIN), warmup=0, iters=max(per_round // CHAIN, 1), sync=sync)]
+    with _switches(PATHS[AFTER]):
+        frames = {k: _jit_python_frames(calls[k][0]) for k in ("i", "ii", "ii+", "vi")}
+    torch_sync()
+    return times, frames
+
+
+def _jit_python_frames(fn: Callable[[], Any]) -> int:
+    """Python calls into `jax/_src/pjit.py` while `fn()` runs: 0 when jit's C++ fast path dispatched it."""
+    hits = 0
+    tail = os.path.join("jax", "_src", "pjit.py")
+
+    def prof(frame: Any, event: str, _arg: Any) -> None:
+        nonlocal hits
+        if event == "call" and frame.f_code.co_filename.endswith(tail):
+            hits += 1
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return hits
+
+
+def _breakdown_rows(rep, rows, atoms: int, layout: str, stats: list) -> None:
+    """Rows of the breakdown table (slower rank per step) and its notes."""
+    world = len(stats)
+    keys = list(dict.fromkeys((k, p) for k, p, _ in stats[0][0]))
+    slow = {k: max(r[0][k] for r in stats) for k in stats[0][0]}
+    base = slow[("vii", "", "each")]
+    for key, path in keys:
+        label = {BEFORE: "rebuilt per call (before)", AFTER: "fast path (after)"}.get(path, "-")
+        per_rank = " / ".join(cm.us(r[0][(key, path, "each")]) for r in stats)
+        t = slow[(key, path, "each")]
+        rep.row(rows, [atoms, layout, STEPS[key], label, cm.us(t), per_rank, cm.us(slow[(key, path, "chain")]),
+                       f"{t / base:.2f}"])
+    derived = [("(vi) - (ii+): the front door around its program", ("vi",), ("ii+",)),
+               ("(vi) - (ii): the transform above a bare exchange", ("vi",), ("ii",)),
+               ("(iii) + (iv) + (v): import, export, pad", ("iii", "iv", "v"), ())]
+    for path, label in ((BEFORE, "rebuilt per call (before)"), (AFTER, "fast path (after)")):
+        for name, plus, minus in derived:
+            def val(r: Any, mode: str, plus=plus, minus=minus) -> float:
+                return (sum(r[0][(k, path if k in FAST_STEPS else "", mode)] for k in plus)
+                        - sum(r[0][(k, path if k in FAST_STEPS else "", mode)] for k in minus))
+
+            each, chain = (max(val(r, m) for r in stats) for m in ("each", "chain"))
+            rep.row(rows, [atoms, layout, name, label, cm.us(each), "-", cm.us(chain), f"{each / base:.2f}"])
+    frames = " / ".join(", ".join(f"({k}) {n}" for k, n in r[1].items()) for r in stats)
+    rep.note(f"{atoms} atoms: Python calls into jax/_src/pjit.py per call, rank 0..{world - 1} (0 = jit's C++ "
+             f"fast path; (vi) on the fast path): {frames}.")
+
+
+@contextlib.contextmanager
+def _switches(paths: tuple[bool, bool] | None) -> Iterator[None]:
+    """Set the front door's private (host sync, fast path) switches inside the block (None: leave them)."""
+    from nvalchemi_jaxbridge.torch import functions as F
+
+    old = F._HOST_SYNC, F._FAST_PATH
+    if paths is not None:
+        F._HOST_SYNC, F._FAST_PATH = paths
     try:
         yield
     finally:
-        F._HOST_SYNC = old
+        F._HOST_SYNC, F._FAST_PATH = old
 
 
 def _chain(fn: Callable[[], Any], n: int) -> Callable[[], Any]:
