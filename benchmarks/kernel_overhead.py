@@ -9,10 +9,18 @@ defined here) and a realistic one (the demo Lennard-Jones op
 `jaxbridge_demo::lj_energy_forces` on an fcc argon block of a few thousand
 atoms). Each is called
 (a) natively in torch (wall clock + synchronize, and CUDA events),
-(b) through the bridge: `TorchOpKernel` under `jax.jit` (buffer_callback + DLPack),
+(b) through the bridge: `TorchOpKernel(call_path="callback")` under `jax.jit` (buffer_callback + DLPack),
+(b') through the bridge's compiled FFI path: `TorchOpKernel(call_path="ffi")` under `jax.jit`,
 (c) through wrap-torch2jax (`torch2jax(..., depth=0)` under `jax.jit`), and
 (d) through `jax.pure_callback` (host copies both ways, the op on the device).
 The JAX paths are timed by wall clock around the call and `block_until_ready`.
+
+Two more tables compare the bridge's two call paths in one process, calls
+alternating: "callback vs FFI" (before = buffer_callback, after = FFI; forward and
+`jax.grad`, whose backward runs on the callback path in both), and "inside one
+program": a chain of N dependent calls unrolled in one jitted program (time / N)
+for both paths and for native torch (N dependent calls, one synchronize at the
+end), which takes the cost of dispatching a program out of the per-call figure.
 
 The breakdown (part of the default run; `--breakdown` runs only it) takes one call
 apart under `jax.jit`: (i) pure XLA, (ii) `buffer_callback` with an empty callback,
@@ -246,13 +254,19 @@ def _breakdown_paths(name, op, targs, jargs, gpu: bool, kernel_cls) -> dict[str,
             make(by_capsule, new_stream, False, False), "")
     paths["(v) + op call (grad off), results dropped"] = (make(by_capsule, new_stream, True, False), "")
     paths["(v') + copy_ of the results into XLA's outputs"] = (make(by_capsule, new_stream, True, True), "native")
-    k = kernel_cls(op)
+    k = kernel_cls(op, call_path="callback")
     fk = jax.jit(lambda *xs: k(*xs))
-    paths["(vi) TorchOpKernel under jit (forward)"] = (lambda: fk(*jargs), "native")
+    paths["(vi) TorchOpKernel under jit (forward, callback path)"] = (lambda: fk(*jargs), "native")
+    kf = kernel_cls(op, call_path="ffi")
+    ff = jax.jit(lambda *xs: kf(*xs))
+    paths["(vi') TorchOpKernel under jit (forward, FFI path)"] = (lambda: ff(*jargs), "native")
     if _grad_op(name) is not None:
-        kg = kernel_cls(_grad_op(name), outputs=(0,))
+        kg = kernel_cls(_grad_op(name), outputs=(0,), call_path="callback")
         g = jax.jit(jax.grad(lambda x, *rest: jnp.sum(kg(x, *rest))))
         paths["(vii) jax.grad of sum(output 0), TorchOpKernel, op with a backward formula (fwd + bwd callbacks)"] = (lambda: g(*jargs), "grad")
+        kgf = kernel_cls(_grad_op(name), outputs=(0,), call_path="ffi")
+        gf = jax.jit(jax.grad(lambda x, *rest: jnp.sum(kgf(x, *rest))))
+        paths["(vii') jax.grad of sum(output 0), FFI forward + callback backward"] = (lambda: gf(*jargs), "grad")
     return paths
 
 
@@ -279,7 +293,7 @@ def _run_breakdown(rep, cases, jdev, gpu: bool, warmup: int, iters: int, flat) -
     if not gpu:
         rep.note("Breakdown on the CPU: steps (iv)/(iv') (torch on XLA's CUDA stream) do not apply and are left out.")
     base_of = {"(iii)": "(ii)", "(iii')": "(ii)", "(iv)": "(iii')", "(iv')": "(iii')", "(v)": "(iv')" if gpu else "(iii')",
-               "(v')": "(v)", "(vi)": "(ii)", "(vii)": "(vi)"}
+               "(v')": "(v)", "(vi)": "(ii)", "(vi')": "(ii)", "(vii)": "(vi)", "(vii')": "(vi')"}
     for name, op, targs, _ in cases:
         with rep.section(f"{name}: breakdown"):
             jargs = [jax.device_put(np.asarray(t.cpu()), jdev) for t in targs]
@@ -301,6 +315,109 @@ def _run_breakdown(rep, cases, jdev, gpu: bool, warmup: int, iters: int, flat) -
                 rep.row(rows, [name, label, cm.us(med[tag]), f"{added} (over {base})" if base in med else "-", check])
                 if check == "MISMATCH":
                     raise AssertionError(f"{name}, breakdown step {label}: result differs from torch")
+
+
+# ------------------------------------------------------------------ call paths (issue 7)
+
+B_CALLBACK = "(b) bridge: TorchOpKernel under jit (callback path)"
+B_FFI = "(b') bridge: TorchOpKernel under jit (FFI path)"
+
+
+def _run_paths(rep, cases, jdev, warmup: int, iters: int, flat) -> None:
+    """Callback path (before) against FFI path (after): forward and jax.grad, timed interleaved."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from nvalchemi_jaxbridge.kernels import TorchOpKernel
+
+    rows = rep.table("Callback path (before) vs FFI path (after), same process, interleaved",
+                     ["op", "call", "callback (us)", "FFI (us)", "FFI/callback", "saved (us)", "check"])
+    for name, op, targs, _ in cases:
+        with rep.section(f"{name}: callback vs FFI"):
+            jargs = [jax.device_put(np.asarray(t.cpu()), jdev) for t in targs]
+            # gradient of sum(output 0) w.r.t. input 0: x*2 through its twin with a backward formula
+            gop = _grad_op(name) or op
+            want = {"forward": flat(op(*targs)), "grad": flat(_torch_grad(gop, targs))}
+            fns = {}
+            for path in ("callback", "ffi"):
+                k = TorchOpKernel(op, call_path=path)
+                f = jax.jit(lambda *xs, k=k: k(*xs))
+                fns[path, "forward"] = lambda f=f: f(*jargs)
+                kg = TorchOpKernel(gop, outputs=(0,), call_path=path)
+                g = jax.jit(jax.grad(lambda x, *rest, kg=kg: jnp.sum(kg(x, *rest))))
+                fns[path, "grad"] = lambda g=g: g(*jargs)
+            times = _interleaved(fns, warmup=warmup, iters=iters)
+            for call in ("forward", "grad"):
+                ok = all(np.allclose(g, w, rtol=1e-4, atol=1e-5 * (1 + np.abs(w).max()))
+                         for path in ("callback", "ffi") for g, w in zip(flat(fns[path, call]()), want[call]))
+                b, a = cm.med(times["callback", call]), cm.med(times["ffi", call])
+                label = "forward" if call == "forward" else "jax.grad of sum(output 0) (backward: callback in both)"
+                rep.row(rows, [name, label, cm.us(b), cm.us(a), f"{a / b:.2f}", cm.us(b - a),
+                               "same result" if ok else "MISMATCH"])
+                if not ok:
+                    raise AssertionError(f"{name} {call}: callback or FFI result differs from torch")
+
+
+def _chain_step(name: str):
+    """The next input of a dependent chain, from the inputs and the op's outputs (same rule in torch and JAX)."""
+    if name == "x*2":
+        return lambda args, out: (out,)  # y <- 2 y: x 2^N stays finite in float32 for N < ~100
+    return lambda args, out: (args[0] + 1e-6 * out[1],) + tuple(args[1:])  # LJ: move along the forces
+
+
+def _run_chain(rep, cases, jdev, dev, n: int, warmup: int, iters: int, flat) -> None:
+    """N dependent calls in one jitted program (time / N) against N dependent native calls (one sync)."""
+    import jax
+    import numpy as np
+    import torch
+
+    from nvalchemi_jaxbridge.kernels import TorchOpKernel
+
+    rows = rep.table(f"Inside one program: {n} dependent calls unrolled in one jit (per call = time / {n})",
+                     ["op", "path", "per call (us)", "above native (us)", "check"])
+    rep.note(f"Inside one program: native = {n} dependent torch calls and one synchronize at the end, / {n}; "
+             f"the JAX rows are one jitted program of {n} calls, / {n}. Between calls: x*2 feeds its output straight "
+             f"back, LJ moves the positions by 1e-6 * forces (one elementwise step, in torch and in JAX alike).")
+    gpu = dev.type == "cuda"
+    for name, op, targs, _ in cases:
+        with rep.section(f"{name}: inside one program"):
+            step = _chain_step(name)
+
+            def native(targs=targs, op=op, step=step):
+                args = tuple(targs)
+                for _ in range(n):
+                    args = step(args, op(*args))
+                if gpu:
+                    torch.cuda.synchronize(dev)
+                return args
+
+            fns = {"native torch": lambda native=native: (native(), None)[1]}
+            for path in ("callback", "ffi"):
+                k = TorchOpKernel(op, call_path=path)
+
+                def chain(*args, k=k, step=step):
+                    for _ in range(n):
+                        args = step(args, k(*args))
+                    return args
+
+                f = jax.jit(chain)
+                jargs = [jax.device_put(np.asarray(t.cpu()), jdev) for t in targs]
+                fns[path] = lambda f=f, jargs=jargs: f(*jargs)
+            times = _interleaved(fns, warmup=warmup, iters=iters)
+            want = flat(native()[0])
+            nat = cm.med(times["native torch"]) / n
+            for label, key in (("native torch", "native torch"), ("bridge, callback path", "callback"),
+                               ("bridge, FFI path", "ffi")):
+                per = cm.med(times[key]) / n
+                check = "-"
+                if key != "native torch":
+                    got = flat(fns[key]()[0])
+                    ok = all(np.allclose(g, w, rtol=1e-4, atol=1e-5 * (1 + np.abs(w).max())) for g, w in zip(got, want))
+                    check = "same result" if ok else "MISMATCH"
+                    if not ok:
+                        raise AssertionError(f"{name}, chain of {n} via {key}: result differs from torch")
+                rep.row(rows, [name, label, cm.us(per), "-" if key == "native torch" else cm.us(per - nat), check])
 
 
 # ------------------------------------------------------------------ before/after (issue 7)
@@ -376,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the breakdown of one call (and --before's table); the default run includes it")
     p.add_argument("--before", type=pathlib.Path, default=None,
                    help="root of another checkout whose TorchOpKernel is timed against this one's")
+    p.add_argument("--chain", type=int, default=32,
+                   help="dependent calls unrolled in one program for the 'inside one program' table")
     a = p.parse_args(argv)
     platform = cm.setup(a.platform, cpu_devices=1)  # one device is all this benchmark uses
     if a.prebuild_torch2jax:
@@ -449,10 +568,13 @@ def main(argv: list[str] | None = None) -> int:
                 if ev:
                     rep.row(rows, [name, desc, "(a) native torch (CUDA events)", cm.us(cm.med(ev)), "-", "-"])
             with rep.section(f"{name}: bridge"):
-                k = TorchOpKernel(op)
+                k = TorchOpKernel(op, call_path="callback")
                 f = jax.jit(lambda *xs: k(*xs))
-                add("(b) bridge: TorchOpKernel under jit",
-                    cm.med(cm.time_jax(lambda: f(*jargs), warmup=warmup, iters=iters)), f(*jargs))
+                add(B_CALLBACK, cm.med(cm.time_jax(lambda: f(*jargs), warmup=warmup, iters=iters)), f(*jargs))
+            with rep.section(f"{name}: bridge, FFI path"):
+                kf = TorchOpKernel(op, call_path="ffi")
+                ff = jax.jit(lambda *xs: kf(*xs))
+                add(B_FFI, cm.med(cm.time_jax(lambda: ff(*jargs), warmup=warmup, iters=iters)), ff(*jargs))
             with rep.section(f"{name}: wrap-torch2jax"):
                 if t2j is None:
                     rep.row(rows, [name, desc, "(c) wrap-torch2jax", "not run", "-", "see note"])
@@ -473,20 +595,24 @@ def main(argv: list[str] | None = None) -> int:
                     cm.med(cm.time_jax(lambda: h(*jargs), warmup=warmup, iters=iters)), h(*jargs))
 
     _run_breakdown(rep, cases, jdev, platform == "gpu", warmup, iters, flat)
+    _run_paths(rep, cases, jdev, warmup, iters, flat)
+    _run_chain(rep, cases, jdev, dev, a.chain, warmup, max(10, iters // 2), flat)
     if a.before is not None:
         _run_compare(rep, cases, jdev, a.before, warmup, iters, flat)
     with rep.section("targets"):
         for name, *_ in cases:
             nat = results.get((name, "(a) native torch (wall)"))
-            br = results.get((name, "(b) bridge: TorchOpKernel under jit"))
             tj = results.get((name, "(c) wrap-torch2jax under jit"))
-            if nat is None or br is None:
-                continue
-            over = br - nat
-            vs = "wrap-torch2jax not measured" if tj is None else (
-                f"bridge {'below' if br < tj else 'NOT below'} wrap-torch2jax ({cm.us(br)} vs {cm.us(tj)} us)")
-            rep.note(f"Target ({name}): bridge overhead <= 20 us above native -> {cm.us(over)} us, "
-                     f"{'MET' if over <= 20e-6 else 'NOT MET'}; {vs}.")
+            for label in (B_CALLBACK, B_FFI):
+                br = results.get((name, label))
+                if nat is None or br is None:
+                    continue
+                over = br - nat
+                vs = "wrap-torch2jax not measured" if tj is None else (
+                    f"bridge {'below' if br < tj else 'NOT below'} wrap-torch2jax ({cm.us(br)} vs {cm.us(tj)} us)")
+                rep.note(f"Target ({name}, {label.split(' ')[0]} {label.rsplit('(', 1)[-1].rstrip(')')}): bridge "
+                         f"overhead <= 20 us above native -> {cm.us(over)} us, "
+                         f"{'MET' if over <= 20e-6 else 'NOT MET'}; {vs}.")
     return rep.finish()
 
 
