@@ -1,7 +1,7 @@
 """Strong and weak scaling of the MD step over 1, 2, 4, 8 devices, and halo exchanges on 3-D device grids.
 
     PYTHONPATH=. python3 benchmarks/scaling.py --out OUTDIR [--devices 1,2,4,8] [--mode both] [--halo] [--smoke]
-        [--dtype float32] [--parity-cells K]
+        [--dtype float32] [--parity-cells K] [--kernel triton|torch|torch-cells|jax]
 
 MD part (`--mode strong|weak|both`): for each device count one velocity Verlet
 step is one `jax.jit` program over the `CompiledSpec` (GatherInputs -> the force
@@ -14,6 +14,10 @@ x bytes per row, for every exchange of the step) and the split of the step into
 kernel and non-kernel time. The non-kernel time is measured by running the same
 step program with the force kernel replaced by a trivial JAX function of the
 same shapes (exchanges, reductions and update kept); kernel time = step - that.
+
+Kernels (`--kernel`): `triton`, `torch` (the dense demo ops, work ~ rows^2 per
+device), `torch-cells` (the cell-list LJ op `jaxbridge_demo::lj_energy_forces_cells`,
+argon only, work ~ rows per device) and `jax` (the dense JAX block function).
 
 - strong: one cubic system of `--atoms` atoms on every device count.
 - weak: `--atoms-per-device` atoms per device; the system is a cubic block
@@ -478,7 +482,7 @@ def precision_note(rep: cm.Report, mode: str, a: Any, base: Result, results: dic
     rep.note(text + ".")
 
 
-def reading(rep: cm.Report, mode: str, counts: list[int], summary: dict, platform: str) -> None:
+def reading(rep: cm.Report, mode: str, counts: list[int], summary: dict, platform: str, kernel: str) -> None:
     """Where the time goes at each device count, from the measured rows and non-kernel times."""
     import os
 
@@ -490,10 +494,13 @@ def reading(rep: cm.Report, mode: str, counts: list[int], summary: dict, platfor
     parts = []
     for n in done[1:]:
         s = summary[mode, n]
-        # a dense kernel's work per device grows as rows^2: the efficiency the rows alone predict
-        model = r0**2 * b / (n * s["rows"] ** 2) if mode == "strong" else r0**2 / s["rows"] ** 2
+        # a dense kernel's work per device grows as rows^2, the cell-list kernel's as rows: the
+        # efficiency the rows alone predict
+        power = 1 if kernel == "torch-cells" else 2
+        model = r0**power * b / (n * s["rows"] ** power) if mode == "strong" else r0**power / s["rows"] ** power
+        work = "a cell-list kernel (work ~ rows)" if power == 1 else "a dense kernel (work ~ rows^2)"
         parts.append(f"{n} dev: efficiency {s['eff']:.0%}; rows/device {s['rows']} (owned {s['owned']} + ghosts) "
-                     f"vs {r0} on {b} dev, so a dense kernel (work ~ rows^2) predicts {model:.0%}; non-kernel time "
+                     f"vs {r0} on {b} dev, so {work} predicts {model:.0%}; non-kernel time "
                      f"{cm.ms(s['null'])} ms ({s['null'] / s['t']:.0%} of the step) vs {cm.ms(s0['base_null'])} ms")
     rep.note(f"{mode.capitalize()} scaling, measured: " + "; ".join(parts) + ".")
     if platform == "cpu":
@@ -612,8 +619,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--atoms", type=int, default=None, help="strong scaling: atoms of the system (GPU 1e6, CPU 2048)")
     p.add_argument("--atoms-per-device", type=int, default=None,
                    help="weak scaling: atoms per device (GPU 1e6, CPU 256)")
-    p.add_argument("--kernel", choices=("torch", "triton", "jax"), default=None,
-                   help="force kernel (default triton on GPU, jax on CPU)")
+    p.add_argument("--kernel", choices=("torch", "triton", "torch-cells", "jax"), default=None,
+                   help="force kernel (default triton on GPU, jax on CPU); torch-cells: the cell-list LJ op "
+                        "(argon only)")
     p.add_argument("--system", choices=("argon", "rocksalt"), default="argon")
     p.add_argument("--dtype", choices=("float32", "float64"), default=None,
                    help="default float32 on GPU, float64 on CPU")
@@ -636,6 +644,9 @@ def main(argv: list[str] | None = None) -> int:
     a.atoms_per_device = a.atoms_per_device or weak_n
     a.halo_atoms = a.halo_atoms or halo_n
     a.kernel = a.kernel or ("triton" if platform == "gpu" else "jax")
+    if a.kernel == "torch-cells" and a.system != "argon":
+        raise SystemExit(f"scaling: --kernel torch-cells is the cell-list Lennard-Jones op, for --system argon only, "
+                         f"got --system {a.system}; use --kernel torch or triton for {a.system}.")
     a.dtype = a.dtype or ("float32" if platform == "gpu" else "float64")
     a.iters = a.iters or (2 if a.smoke else 8)
     a.warmup = a.warmup if a.warmup is not None else (0 if a.smoke else 1)
@@ -668,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in {"both": ("strong", "weak"), "none": ()}.get(a.mode, (a.mode,)):
         scaling(rep, mode, counts, a, platform, cache, failures, summary)
         with rep.section(f"{mode} reading"):
-            reading(rep, mode, counts, summary, platform)
+            reading(rep, mode, counts, summary, platform, a.kernel)
     if a.halo:
         halo_grids(rep, counts, a)
     with rep.section("force parity"):
