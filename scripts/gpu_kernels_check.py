@@ -1,4 +1,8 @@
-"""GPU check of the kernels layer: torch and Triton ops through buffer_callback + DLPack.
+"""GPU check of the kernels layer: torch and Triton ops through both call paths.
+
+Each check runs once per call path of `TorchOpKernel`: "callback" (buffer_callback + DLPack)
+and "ffi" (the compiled XLA FFI handler calling the op through torch's dispatcher; built on
+first use, which needs a C++ compiler and the CUDA headers).
 
 Run on a machine with 1-2 CUDA GPUs (jax with CUDA, torch with CUDA, triton):
 
@@ -13,6 +17,7 @@ Checks (each prints PASS/FAIL; exit status 1 if any FAIL):
   dlpack                         torch <-> jax round trip shares memory; misaligned views refused
 An INFO line shows what the same callback gives without ExternalStream (expected to race).
 No pytest needed. Works with jax 0.11.2+ (no 0.12-only APIs).
+`--paths callback` (or `ffi`) runs one path only.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ jax.config.update("jax_enable_x64", True)
 from nvalchemi_jaxbridge.kernels import DLPackError, TorchOpKernel, jax_to_torch, torch_to_jax  # noqa: E402
 
 FAILED: list[str] = []
+PATHS = ["callback", "ffi"]
 CUTOFF, SIGMA = 2.0, 1.0
 
 
@@ -153,29 +159,29 @@ def _torch_ref(pos: np.ndarray, w: np.ndarray, dev: torch.device):
     return e.detach().cpu().numpy(), g.cpu().numpy()
 
 
-def check_parity(name: str, op, dtype, rtol: float) -> None:
+def check_parity(name: str, op, dtype, rtol: float, path: str) -> None:
     gpu = jax.devices("gpu")[0]
     rng = np.random.default_rng(0)
     pos = rng.uniform(0.0, 6.0, (500, 3)).astype(dtype)
     w = rng.normal(size=500).astype(dtype)
-    k = TorchOpKernel(op)
+    k = TorchOpKernel(op, call_path=path)
     x = jax.device_put(pos, gpu)
     e = jax.jit(lambda p: k(p, CUTOFF, SIGMA))(x)
     g = jax.jit(jax.grad(lambda p: jnp.sum(k(p, CUTOFF, SIGMA) * w)))(x)
     e_ref, g_ref = _torch_ref(pos, w, torch.device("cuda", 0))
     err_e = np.abs(np.asarray(e) - e_ref).max() / max(np.abs(e_ref).max(), 1e-30)
     err_g = np.abs(np.asarray(g) - g_ref).max() / max(np.abs(g_ref).max(), 1e-30)
-    report(f"{name}-{np.dtype(dtype).name}", err_e < rtol and err_g < rtol, f"rel err energy {err_e:.2e}, grad {err_g:.2e}")
+    report(f"{name}-{np.dtype(dtype).name}-{path}", err_e < rtol and err_g < rtol, f"rel err energy {err_e:.2e}, grad {err_g:.2e}")
 
 
-def check_two_gpus() -> None:
+def check_two_gpus(path: str) -> None:
     gpus = jax.devices("gpu")
     if len(gpus) < 2:
         print("SKIP parity-2gpu: only one GPU", flush=True)
         return
     mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=gpus[:2])
     for name, op in (("torch", torch.ops.gpucheck.gauss.default), ("triton", torch.ops.gpucheck.gauss_tri.default)):
-        k = TorchOpKernel(op)
+        k = TorchOpKernel(op, call_path=path)
         pos = np.random.default_rng(1).uniform(0.0, 5.0, (2 * 300, 3))
         body = lambda p: jax.lax.psum(k(p, CUTOFF, SIGMA).sum(), "x")  # noqa: E731 (blocks are independent systems)
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P(), check_vma=True))
@@ -189,21 +195,23 @@ def check_two_gpus() -> None:
             g_ref.append(gb)
         g_ref = np.concatenate(g_ref)
         err = max(abs(e - e_ref) / abs(e_ref), np.abs(g - g_ref).max() / np.abs(g_ref).max())
-        report(f"parity-2gpu-{name}", err < 1e-9, f"rel err {err:.2e}")
+        report(f"parity-2gpu-{name}-{path}", err < 1e-9, f"rel err {err:.2e}")
 
 
-def check_stream_rule() -> None:
+def check_stream_rule(path: str) -> None:
     gpu = jax.devices("gpu")[0]
     n = 4096
     eye = jax.device_put(jnp.eye(n, dtype=jnp.float32), gpu)
-    k = TorchOpKernel(torch.ops.gpucheck.double.default)
+    k = TorchOpKernel(torch.ops.gpucheck.double.default, call_path=path)
 
     def slow_then_op(m):
         a = jax.lax.fori_loop(0, 300, lambda i, a: a @ m + 1.0, jnp.zeros((n, n), jnp.float32))  # a == 300
         return k(a)
 
     got = float(jnp.mean(jax.jit(slow_then_op)(eye)))
-    report("stream-rule", got == 600.0, f"mean {got} (expected 600.0)")
+    report(f"stream-rule-{path}", got == 600.0, f"mean {got} (expected 600.0)")
+    if path != "callback":
+        return
 
     # the same callback without ExternalStream, for contrast: torch works on its own stream
     from jax.experimental.buffer_callback import buffer_callback
@@ -221,12 +229,15 @@ def check_stream_rule() -> None:
     print(f"INFO stream-rule without ExternalStream: mean {bad} ({'raced' if bad != 600.0 else 'did not race this time'})", flush=True)
 
 
-def check_zero_copy() -> None:
+def check_zero_copy(path: str) -> None:
     gpu = jax.devices("gpu")[0]
     x = jax.device_put(jnp.arange(1024.0), gpu)
-    y = TorchOpKernel(torch.ops.gpucheck.record_ptr.default)(x)
+    SEEN.clear()
+    k = TorchOpKernel(torch.ops.gpucheck.record_ptr.default, call_path=path)
+    y = k(x)
     ok = SEEN.get("ptr") == x.unsafe_buffer_pointer() and np.allclose(np.asarray(y), np.arange(1024.0) + 1)
-    report("zero-copy", ok, f"torch saw {SEEN.get('ptr', 0):#x}, jax input {x.unsafe_buffer_pointer():#x}")
+    ok = ok and k.call_path_of(x).startswith(path)
+    report(f"zero-copy-{path}", ok, f"path {k.call_path_of(x)}; torch saw {SEEN.get('ptr', 0):#x}, jax input {x.unsafe_buffer_pointer():#x}")
 
 
 def check_dlpack() -> None:
@@ -243,6 +254,8 @@ def check_dlpack() -> None:
 
 
 def main() -> int:
+    if "--paths" in sys.argv:
+        PATHS[:] = sys.argv[sys.argv.index("--paths") + 1].split(",")
     print(f"jax {jax.__version__}, torch {torch.__version__}, triton {triton.__version__}, devices {jax.devices()}", flush=True)
     try:
         has_gpu = bool(jax.devices("gpu"))
@@ -251,12 +264,13 @@ def main() -> int:
     if not has_gpu or not torch.cuda.is_available():
         print("FAIL setup: needs a CUDA GPU visible to both jax and torch", flush=True)
         return 1
-    guarded("parity-torch", lambda: check_parity("parity-torch", torch.ops.gpucheck.gauss.default, np.float64, 1e-9))
-    guarded("parity-triton", lambda: check_parity("parity-triton", torch.ops.gpucheck.gauss_tri.default, np.float64, 1e-9))
-    guarded("parity-triton", lambda: check_parity("parity-triton", torch.ops.gpucheck.gauss_tri.default, np.float32, 1e-4))
-    guarded("parity-2gpu", check_two_gpus)
-    guarded("stream-rule", check_stream_rule)
-    guarded("zero-copy", check_zero_copy)
+    for path in PATHS:
+        guarded(f"parity-torch-{path}", lambda: check_parity("parity-torch", torch.ops.gpucheck.gauss.default, np.float64, 1e-9, path))
+        guarded(f"parity-triton-{path}", lambda: check_parity("parity-triton", torch.ops.gpucheck.gauss_tri.default, np.float64, 1e-9, path))
+        guarded(f"parity-triton-{path}", lambda: check_parity("parity-triton", torch.ops.gpucheck.gauss_tri.default, np.float32, 1e-4, path))
+        guarded(f"parity-2gpu-{path}", lambda: check_two_gpus(path))
+        guarded(f"stream-rule-{path}", lambda: check_stream_rule(path))
+        guarded(f"zero-copy-{path}", lambda: check_zero_copy(path))
     guarded("dlpack", check_dlpack)
     print(f"{'FAIL' if FAILED else 'PASS'} all: {len(FAILED)} failed {FAILED if FAILED else ''}", flush=True)
     return 1 if FAILED else 0
