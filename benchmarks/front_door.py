@@ -55,12 +55,13 @@ STEPS = {
     "ii": "(ii) bare ppermute of the same rows (pre-built global array)",
     "ii+": "(ii+) the transform's jitted program alone (pre-built global array, device tables)",
     "iii": "(iii) import: torch_to_jax + make_array_from_single_device_arrays",
+    "iii+": "(iii+) import + the transform's program (a fresh global array each call)",
     "iv": "(iv) export: local shard + jax_to_torch",
     "v": "(v) _pad to the owned capacity",
     "vi": "(vi) whole GatherInputs transform (halo_from_owned)",
     "vii": "(vii) all_to_all_single of the same bytes",
 }
-FAST_STEPS = ("iii", "iv", "v", "vi")
+FAST_STEPS = ("iii", "iii+", "iv", "v", "vi")
 
 
 def _launch(argv: list[str], timeout_s: float) -> int:
@@ -319,6 +320,7 @@ def _breakdown(ctx, owned, ex, dev, *, iters: int, warmup: int, rounds: int
         "ii": (lambda: ppermute(g), jax_sync),
         "ii+": (lambda: prog.fwd(g, ctx.tables), jax_sync),
         "iii": (lambda: F._to_global(ctx, block, "breakdown block")[0], jax_sync),
+        "iii+": (lambda: prog.fwd(F._to_global(ctx, block, "breakdown block")[0], ctx.tables), jax_sync),
         "iv": (lambda: F._local_out(out, "breakdown output"), lambda _: torch_sync()),
         "v": (lambda: F._pad(own_n, oc, ctx.memo if F._FAST_PATH else None), lambda _: torch_sync()),
         "vi": (lambda: F.halo_from_owned(ctx, own_n, positions=False), lambda _: torch_sync()),
@@ -373,7 +375,9 @@ def _breakdown_rows(rep, rows, atoms: int, layout: str, stats: list) -> None:
                        f"{t / base:.2f}"])
     derived = [("(vi) - (ii+): the front door around its program", ("vi",), ("ii+",)),
                ("(vi) - (ii): the transform above a bare exchange", ("vi",), ("ii",)),
-               ("(iii) + (iv) + (v): import, export, pad", ("iii", "iv", "v"), ())]
+               ("(iii) + (iv) + (v): import, export, pad", ("iii", "iv", "v"), ()),
+               ("(iii+) - (iii) - (ii+): a fresh input's extra program cost", ("iii+",), ("iii", "ii+")),
+               ("(vi) - (iii+) - (iv) - (v): autograd, step lookup, slicing", ("vi",), ("iii+", "iv", "v"))]
     for path, label in ((BEFORE, "rebuilt per call (before)"), (AFTER, "fast path (after)")):
         for name, plus, minus in derived:
             def val(r: Any, mode: str, plus=plus, minus=minus) -> float:

@@ -309,6 +309,8 @@ def _pad(t: torch.Tensor, rows: int, memo: dict[tuple, Any] | None = None) -> to
 
     With `memo` (a context's cache, fast path) the zero rows come from a cached
     block and one `torch.cat` makes the result (one kernel instead of fill + copy).
+    The block is marked as used on the current CUDA stream, so that freeing it
+    with its context waits for every stream that read it.
     """
     n = t.shape[0]
     if n == rows:
@@ -320,6 +322,8 @@ def _pad(t: torch.Tensor, rows: int, memo: dict[tuple, Any] | None = None) -> to
         zeros = memo.get(key)
         if zeros is None:
             zeros = memo[key] = t.new_zeros((rows - n,) + tuple(t.shape[1:]))
+        if t.is_cuda:
+            zeros.record_stream(torch.cuda.current_stream(t.device))
         return torch.cat([t, zeros])
     out = t.new_zeros((rows,) + tuple(t.shape[1:]))
     out[:n] = t
