@@ -25,7 +25,7 @@ from ..torch_op import KernelError
 
 SOURCE = pathlib.Path(__file__).with_name("torch_call.cc")
 LIB_NAME = "jaxbridge_torch_call.so"
-EXPECTED_SECONDS = 40  # first-use build on a 2-core machine; said in the progress line
+EXPECTED_SECONDS = 20  # first-use build (12-17 s measured on a loaded 2-core machine); said in the progress line
 FALLBACK = (
     'Use the buffer_callback path instead: TorchOpKernel(op, call_path="callback"), or set '
     "JAXBRIDGE_KERNEL_PATH=callback."

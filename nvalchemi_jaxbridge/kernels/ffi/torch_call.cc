@@ -4,7 +4,7 @@
 // tensors go are a *plan*, registered once from Python (jb_register_plan) and
 // named by the call's `plan` attribute. Per call the handler copies the plan's
 // argument stack, wraps XLA's buffers as torch tensors (at::from_blob, no copy),
-// runs the op boxed with grad off, and writes each returned tensor into its
+// runs the op boxed with grad off (below autograd), and writes each returned tensor into its
 // result buffer. No Python runs on this side; a Python-implemented op takes the
 // GIL itself inside torch's dispatcher.
 //
@@ -14,6 +14,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/core/ivalue.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
@@ -253,7 +254,8 @@ at::Tensor as_tensor(const ffi::AnyBuffer& b, c10::Device device, const Plan& pl
   if (b.element_count() == 0) {
     return at::empty(sizes, options);  // XLA may hand a null pointer for an empty buffer
   }
-  return at::from_blob(b.untyped_data(), sizes, options);
+  // target_device: the device is known, so torch need not ask the driver about the pointer
+  return at::for_blob(b.untyped_data(), sizes).options(options).target_device(device).make_tensor();
 }
 
 std::string describe(const at::Tensor& t) {
@@ -288,7 +290,11 @@ ffi::Error run_plan(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRet
     }
   }
   {
+    // Grad off, and dispatch below the autograd keys: what an autograd kernel itself does
+    // when grad is off (custom_op's Python autograd wrapper included), without the hop
+    // through it. An op whose only kernel sits at an Autograd key is not reached this way.
     at::NoGradGuard no_grad;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     plan.op.callBoxed(stack);
   }
   if (stack.size() != plan.n_returns) {
