@@ -189,7 +189,9 @@ def rank_main(a) -> int:
                     "breakdown": (f"GatherInputs of the same plan, {iters} calls per step after {warmup} warm-up, "
                                   f"in {_rounds(a.smoke)} interleaved rounds; sync each: every call followed by "
                                   "block_until_ready / torch.cuda.synchronize; chain: {CHAIN} calls, one sync, "
-                                  f"time / {CHAIN}; median per rank, slower rank shown").replace("{CHAIN}", str(CHAIN)),
+                                  f"time / {CHAIN}; median per rank, slower rank shown; derived rows: differences of one rank's "
+                                  "medians, the largest over ranks (a negative value is below the noise)"
+                                  ).replace("{CHAIN}", str(CHAIN)),
                     "reference": f"torch.distributed all_to_all_single ({'nccl' if platform == 'gpu' else 'gloo'})"}
         rep = cm.Report("front_door", "PyTorch front door vs torch.distributed (2 processes)", a.out,
                         cm.context(platform), settings)
