@@ -41,8 +41,14 @@ from .torch_ops import NAMESPACE, _check_inputs, _fake, _nonzero, _setup_lj
 _LJ = LJParams()
 _OP = "lj_energy_forces_cells"
 
-PAIR_SLOTS = 1 << 25
-"""Candidate pairs per chunk: peak temporaries about 45 B each in float64 (1.5 GB), 33 B in float32."""
+PAIR_SLOTS = {"cpu": 1 << 18, "cuda": 1 << 25}
+"""Candidate pairs per chunk, by device type (others: the CUDA value).
+
+Peak temporaries are about 45 B per slot in float64, 33 B in float32 (measured on
+the CPU): 12 MB on the CPU, where cache-sized chunks ran 2.7x faster than 2^25 slots
+at 5 x 10^4 rows; 1.5 GB on a GPU, where fewer, larger chunks mean fewer launches
+and host syncs.
+"""
 
 _MAX_CELLS_PER_AXIS = 1 << 20  # keys (cx * ny + cy) * nz + cz stay below 2^60: int64-safe
 _SLACK = {torch.float32: 64 * torch.finfo(torch.float32).eps, torch.float64: 64 * torch.finfo(torch.float64).eps}
@@ -164,9 +170,9 @@ def _chunk(ps: Tensor, own: Tensor, table: Tensor, valid: Tensor, a: int, b: int
     return 0.5 * (w * u).sum(), ((w * fscal)[..., None] * d).sum(1)
 
 
-def _chunks(rows: int, longest: int, pair_slots: int | None):
+def _chunks(rows: int, longest: int, pair_slots: int | None, device: torch.device):
     """Row ranges of the chunks: as many rows as fit `pair_slots` candidate pairs (at least one)."""
-    slots = PAIR_SLOTS if pair_slots is None else pair_slots
+    slots = PAIR_SLOTS.get(device.type, PAIR_SLOTS["cuda"]) if pair_slots is None else pair_slots
     if slots < 1:
         raise ValueError(f"{NAMESPACE}::{_OP}: pair_slots must be >= 1, got {slots}.")
     step = max(1, slots // max(1, 9 * longest))
@@ -186,7 +192,8 @@ def lj_cells_torch(positions: Tensor, owned_mask: Tensor, epsilon: float = _LJ.e
         positions: (R, 3) halo rows, float32 or float64, Å.
         owned_mask: (R,) bool or float, 1 for owned rows.
         epsilon, sigma, cutoff: eV, Å, Å.
-        pair_slots: candidate pairs per chunk (default ``PAIR_SLOTS``); bounds peak memory.
+        pair_slots: candidate pairs per chunk (default ``PAIR_SLOTS`` of the device type);
+            bounds peak memory.
 
     Returns:
         (energy partial, scalar eV; forces (R, 3) eV/Å, weighted, ghost rows included).
@@ -200,7 +207,7 @@ def lj_cells_torch(positions: Tensor, owned_mask: Tensor, epsilon: float = _LJ.e
     own = owned_mask.to(positions.dtype)[order]
     energy = positions.new_zeros(())
     parts = []
-    for a, b in _chunks(rows, longest, pair_slots):
+    for a, b in _chunks(rows, longest, pair_slots, positions.device):
         table, valid = _neighbours(xyz, row_cell, start, length, longest, a, b, cutoff)
         e, f = _chunk(ps, own, table, valid, a, b, epsilon, sigma, cutoff)
         energy = energy + e
@@ -219,7 +226,7 @@ def _cells_hvp(positions: Tensor, owned_mask: Tensor, g_forces: Tensor, epsilon:
     ps = positions.detach()[order].requires_grad_(True)
     xyz = ps.detach().t().contiguous()
     grad = torch.zeros_like(ps)
-    for a, b in _chunks(positions.shape[0], longest, None):
+    for a, b in _chunks(positions.shape[0], longest, None, positions.device):
         table, valid = _neighbours(xyz, row_cell, start, length, longest, a, b, cutoff)
         with torch.enable_grad():
             _, f = _chunk(ps, own, table, valid, a, b, epsilon, sigma, cutoff)
