@@ -62,6 +62,9 @@ def _abs_scale(pos, cutoff):
     slots=st.sampled_from([None, 1, 97, 5000]),
     seed=st.integers(0, 2**16),
 )
+@hypothesis.example(n=0, layout="gas", cutoff=8.5, owned=1.0, slots=None, seed=0)
+@hypothesis.example(n=1, layout="gas", cutoff=8.5, owned=1.0, slots=None, seed=0)
+@hypothesis.example(n=300, layout="pile", cutoff=2.5, owned=0.5, slots=1, seed=1)
 def test_matches_dense_op_float64(n, layout, cutoff, owned, slots, seed):
     rng = np.random.default_rng(seed)
     pos_np = _block(rng, n, layout, cutoff)
