@@ -560,11 +560,13 @@ class TorchOpKernel:
                 raise
             _warn_ffi_unavailable(e)
             return None, "callback (the FFI extension is unavailable: " + str(e).splitlines()[0] + ")"
-        if platform == "cuda" and not ext.cuda:
-            return no(
-                f"the FFI extension {ext.path} was built without CUDA (no CUDA headers were found: set "
-                f"CUDA_HOME to a CUDA toolkit and delete {ext.path.parent} to rebuild it)"
-            )
+        if platform == "cuda":
+            if not ext.cuda:
+                return no(
+                    f"the FFI extension {ext.path} was built without CUDA (no CUDA headers were found: set "
+                    f"CUDA_HOME to a CUDA toolkit and delete {ext.path.parent} to rebuild it)"
+                )
+            torch.cuda.init()  # here, on the Python thread, not first inside the handler on XLA's
         overload = "" if self.op._overloadname == "default" else self.op._overloadname
         try:
             plan = ext.register_plan(self.op._schema.name, overload, encoded, where=f"op {self.name}")

@@ -339,7 +339,7 @@ ffi::Error guarded(int64_t plan_id, ffi::RemainingArgs args, ffi::RemainingRets 
   std::string msg;
   try {
 #ifdef JB_WITH_CUDA
-    if (stream != nullptr) {
+    if (device.is_cuda()) {  // torch enqueues on XLA's stream (and device) for the whole call
       c10::cuda::CUDAStreamGuard guard(
           c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), device.index()));
       return run_plan(*plan, args, rets, device);
