@@ -447,3 +447,37 @@ def test_other_process_reuses_the_build():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ}, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == str(ext.path)
+
+
+# ------------------------------------------------------------------ GPU (run by the lead on an H200)
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason="needs JAX and torch on a CUDA GPU; on a GPU machine run with JAX_PLATFORMS=cuda,cpu "
+    "(tests/conftest.py defaults JAX to the CPU)",
+)
+def test_gpu_ffi_path_orders_with_xla_work_and_matches_torch():
+    """GPU only: the op (on XLA's stream) sees a long XLA loop's result, and XLA sees the op's result."""
+    prev = torch.cuda.current_stream()
+    k = TorchOpKernel(torch.ops.ktffi.kwstat.default, call_path="ffi")
+    acc = TorchOpKernel(torch.ops.ktffi.accum.default, call_path="ffi")
+
+    def loop(x):
+        return jax.lax.fori_loop(0, 300, lambda i, y: jnp.tanh(y @ y.T) / 64.0 + y, x)
+
+    def f(x):
+        y = k(loop(x), 3.0, k=1)  # after the loop
+        return acc(x, y, -1.0).sum(axis=1)  # XLA reads the op's (aliased) result right after it
+
+    x = jnp.full((512, 512), 1e-3, jnp.float32)
+    y_ref = 3.0 * np.asarray(jax.jit(loop)(x), np.float64) + 1.5
+    want = (y_ref - np.asarray(x, np.float64)).sum(axis=1)
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(x)), want, rtol=1e-4)
+    assert torch.cuda.current_stream() == prev
+    for op in (LJ, LJ_TRITON):
+        pos, mask = _lj_inputs(3, np.float32)
+        got = jax.jit(lambda p, m, op=op: TorchOpKernel(op, call_path="ffi")(p, m, cutoff=6.0))(pos, mask)
+        want = op(torch.tensor(pos, device="cuda"), torch.tensor(mask, device="cuda"), cutoff=6.0)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), w.cpu().numpy(), rtol=1e-5, atol=1e-5 * float(w.abs().max()))
