@@ -203,6 +203,16 @@ def test_int_lists_optional_tensor_bool_and_float_lists():
     np.testing.assert_array_equal(np.asarray(ffi), x + 10.0)
 
 
+def test_aten_op_with_an_overload_and_scalar_statics():
+    """A C++ op (no Python, no GIL on the call) under a named overload, with `Scalar` statics."""
+    x = np.arange(6.0).reshape(2, 3)
+    ffi, cb = _ffi_and_callback(torch.ops.aten.add.Scalar, x, 2.5, alpha=2)
+    np.testing.assert_array_equal(np.asarray(ffi), x + 5.0)
+    np.testing.assert_array_equal(np.asarray(ffi), np.asarray(cb))
+    ffi, _ = _ffi_and_callback(torch.ops.aten.add.Scalar, x.astype(np.int64), 3, alpha=-1)
+    np.testing.assert_array_equal(np.asarray(ffi), x.astype(np.int64) - 3)
+
+
 def test_mutated_argument_is_aliased():
     x, out0 = np.arange(5.0), np.full(5, 100.0)
     ffi, cb = _ffi_and_callback(torch.ops.ktffi.accum.default, x, out0, 0.5)
@@ -290,6 +300,7 @@ def test_fake_that_lies_about_a_shape_is_named():
 def test_ineligible_call_falls_back_under_auto_and_raises_under_ffi():
     x = np.arange(4.0)
     auto = TorchOpKernel(torch.ops.ktffi.cast.default)
+    assert TorchOpKernel(torch.ops.ktffi.roll.default).call_path_of(x, [1], [0]) == "ffi"  # eligible: FFI
     path = auto.call_path_of(x, torch.int32)
     assert path.startswith("callback (argument 'dtype' (position 1) has schema type int and value dtype")
     np.testing.assert_array_equal(np.asarray(auto(x, torch.int32)), np.arange(4, dtype=np.int32))
@@ -358,6 +369,7 @@ _STATIC = st.one_of(
     st.tuples(st.just("List[float]"), st.lists(st.floats(allow_nan=False), max_size=4)),
     st.tuples(st.just("List[bool]"), st.lists(st.booleans(), max_size=4)),
     st.tuples(st.just("Optional[float]"), st.none()),
+    st.tuples(st.just("number"), st.one_of(st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False))),
 )
 
 
@@ -368,7 +380,7 @@ def test_plan_encoding_round_trips(statics):
     assert lines[0] == "jb1 0" and len(lines) == len(statics) + 1
     for line, (t, v) in zip(lines[1:], statics):
         got = _decode(line)
-        assert got == (list(v) if isinstance(v, (list, tuple)) else v)
+        assert got == (list(v) if isinstance(v, (list, tuple)) else v) and type(got) is type(v)
         if t == "float":
             assert math.copysign(1.0, got) == math.copysign(1.0, v)
 
