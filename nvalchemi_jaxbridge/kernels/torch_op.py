@@ -842,7 +842,7 @@ def _warn_ffi_unavailable(e: KernelError) -> None:
         f"buffer_callback path (more host work per call). Reason: {e} To silence this, pass "
         f'call_path="callback" or set {ENV_CALL_PATH}=callback.',
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=6,  # the caller of TorchOpKernel.__call__ / call_path_of
     )
 
 
