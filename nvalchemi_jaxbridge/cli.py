@@ -123,8 +123,9 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--system", choices=("argon", "rocksalt"), default="argon",
                      help="argon FCC (Lennard-Jones) or NaCl rock salt (DSF Coulomb, charged)")
     run.add_argument("--spec", default=None, help="spec file (default: examples/specs/ file for system and kernel)")
-    run.add_argument("--kernel", choices=("torch", "triton", "jax"), default=None,
-                     help="torch custom op (default), Triton op, or the JAX potential; picks the default spec")
+    run.add_argument("--kernel", choices=("torch", "torch-cells", "triton", "jax"), default=None,
+                     help="torch custom op (default), torch-cells (the same LJ op with an O(N) cell list, "
+                          "argon only), Triton op, or the JAX potential; picks the default spec")
     run.add_argument("--devices", type=int, default=None, help="devices (default 8 virtual CPU devices, or all GPUs)")
     run.add_argument("--steps", type=int, default=100, help="MD steps (default 100)")
     run.add_argument("--dt", type=float, default=None, help="time step in fs (default 5 argon, 2 rock salt)")

@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 
 SYSTEMS = ("argon", "rocksalt")
-KERNELS = ("torch", "triton", "jax")
+KERNELS = ("torch", "torch-cells", "triton", "jax")
 _SPEC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "specs")
 DEFAULT_SPECS = {
     ("argon", "torch"): "lj_argon.json", ("argon", "triton"): "lj_argon_triton.json",
-    ("argon", "jax"): "lj_argon.json",
+    ("argon", "jax"): "lj_argon.json", ("argon", "torch-cells"): "lj_argon_cells.json",
     ("rocksalt", "torch"): "dsf_rocksalt.json", ("rocksalt", "triton"): "dsf_rocksalt_triton.json",
     ("rocksalt", "jax"): "dsf_rocksalt.json",
 }
@@ -51,7 +51,8 @@ class RunConfig:
     Attributes:
         system: "argon" (Lennard-Jones) or "rocksalt" (DSF Coulomb + Born-Mayer, charged).
         spec: spec file (default: `examples/specs/` file for the system and kernel).
-        kernel: "torch", "triton" or "jax"; only with the default spec (a given spec names its op).
+        kernel: "torch", "torch-cells" (the cell-list LJ op, argon only), "triton" or "jax"; only with
+            the default spec (a given spec names its op).
         devices: devices to spread atoms over (default 8 on the CPU, all GPUs otherwise).
         steps, dt, temperature: MD steps, time step (fs), initial temperature (K).
         langevin: BAOAB friction (1/fs); None runs NVE velocity Verlet.
@@ -83,7 +84,14 @@ class RunConfig:
             raise ValueError(f"run: system must be one of {SYSTEMS}, got {self.system!r}.")
         if self.kernel is not None and self.kernel not in KERNELS:
             raise ValueError(f"run: kernel must be one of {KERNELS}, got {self.kernel!r}.")
-        if self.spec is not None and self.kernel in ("torch", "triton"):
+        if self.kernel is not None and (self.system, self.kernel) not in DEFAULT_SPECS:
+            have = sorted(k for s, k in DEFAULT_SPECS if s == self.system)
+            raise ValueError(
+                f"run: --kernel {self.kernel} has no op for --system {self.system} (torch-cells is the "
+                f"cell-list Lennard-Jones op, argon only); use --system argon, or --kernel "
+                f"{' / '.join(have)} for {self.system}."
+            )
+        if self.spec is not None and self.kernel in ("torch", "torch-cells", "triton"):
             raise ValueError(
                 f"run: --kernel {self.kernel} picks the default spec file, but --spec {self.spec} was given "
                 "and names its own op; drop --kernel (or use --kernel jax to run the JAX potential with "
