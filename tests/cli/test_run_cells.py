@@ -49,7 +49,8 @@ def test_cells_kernel_run_matches_the_dense_torch_kernel(tmp_path, monkeypatch):
     (["--system", "rocksalt", "--kernel", "torch-cells"],
      r"--kernel torch-cells has no op for --system rocksalt \(torch-cells is the cell-list Lennard-Jones op, "
      r"argon only\); use --system argon, or --kernel jax / torch / triton for rocksalt"),
-    (["--kernel", "torch-cells", "--spec", "x.json"], r"--kernel torch-cells picks the default spec file.*drop --kernel"),
+    (["--kernel", "torch-cells", "--spec", "x.json"],
+     r"--kernel torch-cells picks the default spec file.*drop --kernel"),
 ])
 def test_cells_kernel_errors_name_the_fix(argv, match, capsys):
     assert main(["run", "--quiet", *argv]) == 2
