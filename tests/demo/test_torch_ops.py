@@ -98,6 +98,7 @@ def test_errors_name_op_argument_and_fix():
 def test_example_specs_use_the_nvalchemi_format_and_registered_ops():
     want = {"lj_argon.json": ("lj_energy_forces", ["0"]),
             "lj_argon_triton.json": ("lj_energy_forces_triton", ["0"]),
+            "lj_argon_cells.json": ("lj_energy_forces_cells", ["0"]),
             "dsf_rocksalt.json": ("dsf_energy_forces", ["0", "1"]),
             "dsf_rocksalt_triton.json": ("dsf_energy_forces_triton", ["0", "1"])}
     for fname, (op_name, gathered) in want.items():
