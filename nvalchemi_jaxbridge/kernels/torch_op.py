@@ -15,7 +15,7 @@ back as a new array (JAX arrays are immutable); XLA aliases the two buffers.
 
 Gradients. The call is a `jax.custom_vjp`; the backward runs the op again under
 torch autograd on the saved inputs and calls `torch.autograd.grad` with the
-cotangents, through the same callback path. Only ops torch can differentiate
+cotangents, on the same path as the forward (callback or FFI). Only ops torch can differentiate
 (a `register_autograd` formula, or an autograd-capable composite) qualify.
 
 Inside `shard_map(check_vma=True)` the callback's varying-axes typing, which
@@ -26,8 +26,8 @@ Call paths. The forward has a second, compiled path (`call_path="ffi"`, see
 tensors and calls the op through torch's dispatcher, with no Python on the
 bridge's side. `call_path="auto"` (the default) takes it when the extension
 builds and the call's static arguments can be encoded, else the callback path;
-`call_path_of(...)` says which one a call takes and why. The backward always runs
-on the callback path.
+`call_path_of(...)` says which one a call takes and why, `backward_path_of(...)`
+the same for its backward (which follows the forward's path).
 """
 
 from __future__ import annotations
@@ -252,6 +252,7 @@ class _Call:
     selected: tuple[int, ...]  # indices into result_specs that the caller gets
     fn: Callable[..., tuple[jax.Array, ...]]  # the custom_vjp function of the arrays
     path: str = "callback"  # the forward's path: "ffi" or "callback (<why>)"
+    bwd_path: str = "callback"  # the backward's path, likewise
 
 
 class TorchOpKernel:
@@ -457,6 +458,14 @@ class TorchOpKernel:
         """
         return self._prepare(args, kwargs)[0].path
 
+    def backward_path_of(self, *args: Any, **kwargs: Any) -> str:
+        """The path `jax.grad` of a call with these arguments takes: "ffi", or "callback (<why>)".
+
+        The backward takes the forward's path: the FFI backward handler where the
+        forward is on the FFI path, else the buffer_callback backward.
+        """
+        return self._prepare(args, kwargs)[0].bwd_path
+
     def _prepare(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[_Call, list[Any]]:
         """The (cached) compiled call for these arguments, and the arrays it takes."""
         values = self._bind(args, kwargs)
@@ -506,7 +515,11 @@ class TorchOpKernel:
         if fwd is None:
             fwd = self._forward_callback(statics, array_pos, mutated_pos, specs)
         call = _Call(array_pos, mutated_pos, statics, self._n_returns, specs, self._selected, fn=None, path=path)  # type: ignore[arg-type]
-        return dataclasses.replace(call, fn=self._custom_vjp(call, fwd, [a.dtype for a in arrays]))
+        bwd, bwd_path = None, path
+        if path == "ffi":
+            bwd, bwd_path = self._backward_ffi(call, arrays)
+        call = dataclasses.replace(call, bwd_path=bwd_path)
+        return dataclasses.replace(call, fn=self._custom_vjp(call, fwd, [a.dtype for a in arrays], bwd))
 
     # -- the FFI path -------------------------------------------------------------------
 
@@ -576,19 +589,55 @@ class TorchOpKernel:
         aliases = {array_pos.index(i): n_ret + j for j, i in enumerate(mutated_pos)}
         return ext.call(plan, specs, aliases), "ffi"
 
-    def _encode_plan(self, statics, array_pos, mutated_pos) -> str:
-        """The plan text of this call (raises plans.Ineligible with the reason)."""
+    def _backward_ffi(self, call: _Call, arrays: Sequence[Any]) -> tuple[Callable[..., Any] | None, str]:
+        """The FFI backward (`bwd(*saved, *cotangents)` -> input gradients) and "ffi", or (None, "callback (<why>)").
+
+        Registered with the forward, for a call whose forward takes the FFI path;
+        the differentiated inputs are the inexact arrays, the cotangents those of
+        the inexact selected results (what `_custom_vjp` passes).
+        """
+        from .ffi import plans, target
+
+        diff = tuple(k for k, a in enumerate(arrays) if _is_inexact(a.dtype))
+        outputs = tuple(s for s in call.selected if _is_inexact(call.result_specs[s].dtype))
+        if not diff:
+            return None, "ffi"  # nothing to differentiate: no backward call at all
+        encoded = self._encode_plan(
+            call.statics, call.array_pos, call.mutated_pos, backward=plans.Backward(diff, outputs)
+        )
+        ext = target.load()  # loaded by the forward already
+        overload = "" if self.op._overloadname == "default" else self.op._overloadname
+        try:
+            plan = ext.register_plan(self.op._schema.name, overload, encoded, where=f"the backward of op {self.name}")
+        except KernelError as e:
+            if self._requested_path()[0] == "ffi":
+                raise
+            return None, f"callback ({str(e).splitlines()[0]})"
+        specs = tuple(jax.ShapeDtypeStruct(tuple(arrays[k].shape), arrays[k].dtype) for k in diff)
+        return ext.call(plan, specs, {}), "ffi"
+
+    def _encode_plan(self, statics, array_pos, mutated_pos, backward: Any = None) -> str:
+        """The plan text of this call, or of its backward (raises plans.Ineligible with the reason).
+
+        The backward's FFI arguments are the saved arrays, then the cotangents; a
+        mutated argument is an argument there, cloned before the op writes into it.
+        """
         from .ffi import plans
 
         out_of = {i: self._n_returns + j for j, i in enumerate(mutated_pos)}
-        slot = {
-            i: plans.TensorSlot(out_of[i], from_result=True) if i in out_of else plans.TensorSlot(k)
-            for k, i in enumerate(array_pos)
-        }
+        if backward is None:
+            slot = {
+                i: plans.TensorSlot(out_of[i], from_result=True) if i in out_of else plans.TensorSlot(k)
+                for k, i in enumerate(array_pos)
+            }
+            n_args = len(array_pos)
+        else:
+            slot = {i: plans.TensorSlot(k, cloned=i in out_of) for k, i in enumerate(array_pos)}
+            n_args = len(array_pos) + len(backward.outputs)
         entries = []
         for i, p in enumerate(self._params):
             entries.append((p.name, p.type_str, slot.get(i, statics[i])))  # a Tensor list is refused by encode
-        return plans.encode(len(array_pos), entries)
+        return plans.encode(n_args, entries, backward)
 
     def _fake_run(
         self,
@@ -792,7 +841,9 @@ class TorchOpKernel:
         if problem is not None:
             raise NotDifferentiableError(f"jax.grad reached op {self.name}, but {problem} {fix}")
 
-    def _custom_vjp(self, call: _Call, fwd_cb: Callable[..., Any], dtypes: list[Any]) -> Callable[..., Any]:
+    def _custom_vjp(
+        self, call: _Call, fwd_cb: Callable[..., Any], dtypes: list[Any], bwd_ffi: Callable[..., Any] | None = None
+    ) -> Callable[..., Any]:
         selected = call.selected
         sel_inexact = tuple(j for j, s in enumerate(selected) if _is_inexact(call.result_specs[s].dtype))
         diff = tuple(k for k, d in enumerate(dtypes) if _is_inexact(d))
@@ -816,7 +867,9 @@ class TorchOpKernel:
             axes = frozenset().union(*(_vma(a) for a in saved)) if saved else frozenset()
             shapes = tuple(jax.ShapeDtypeStruct(saved[k].shape, saved[k].dtype) for k in diff)
             key = tuple((s.shape, np.dtype(s.dtype).str) for s in shapes)
-            if key not in bwd_cache:
+            if bwd_ffi is not None:
+                bwd_cache.setdefault(key, bwd_ffi)  # the FFI backward's result shapes are fixed with the call
+            elif key not in bwd_cache:
                 bwd_cache[key] = buffer_callback(bwd_cb_body, shapes)
             ct_in = [cts[j] for j in sel_inexact]
             grads = bwd_cache[key](*saved, *ct_in) if shapes else ()

@@ -8,6 +8,12 @@ argument, in schema order (keyword-only ones included, defaults already filled):
     s<hex>       str, UTF-8 in hex    I<i,i,...>   int list
     D<d,d,...>   double list          B<0,1,...>   bool list
     a<k>         FFI argument k       r<k>         FFI result k (a mutated argument, aliased)
+    m<k>         FFI argument k, cloned before the op writes into it (backward plans)
+
+A backward plan (`encode(..., backward=Backward(...))`) adds two lines: `G<k,...>`,
+the FFI arguments differentiated (its results are their gradients, in this
+order), and `O<r,...>`, the op results (returns, then mutated arguments) whose
+cotangents are the last FFI arguments, in this order.
 
 Anything else (a `ScalarType`, `Device`, dict, complex, a Tensor list) makes the
 call ineligible for the FFI path; `Ineligible` says which argument and why.
@@ -38,6 +44,15 @@ class TensorSlot:
 
     index: int
     from_result: bool = False
+    cloned: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Backward:
+    """What a backward plan adds: the differentiated FFI arguments, and the results that get cotangents."""
+
+    leaves: tuple[int, ...]
+    outputs: tuple[int, ...]
 
 
 def _base(type_str: str) -> str:
@@ -105,8 +120,10 @@ def encode_value(type_str: str, v: Any) -> str:
     raise TypeError
 
 
-def encode(n_args: int, entries: Sequence[tuple[str, str, Any]]) -> str:
+def encode(n_args: int, entries: Sequence[tuple[str, str, Any]], backward: Backward | None = None) -> str:
     """The plan text for (name, schema type, value or TensorSlot) per schema argument.
+
+    With `backward`, the text of the op's backward (see the module docstring).
 
     Raises:
         Ineligible: a value the encoding cannot express (names the argument and the fix).
@@ -114,7 +131,7 @@ def encode(n_args: int, entries: Sequence[tuple[str, str, Any]]) -> str:
     lines = [f"{VERSION} {n_args}"]
     for pos, (name, type_str, v) in enumerate(entries):
         if isinstance(v, TensorSlot):
-            lines.append(("r" if v.from_result else "a") + str(v.index))
+            lines.append(("r" if v.from_result else "m" if v.cloned else "a") + str(v.index))
             continue
         try:
             lines.append(encode_value(type_str, v))
@@ -126,5 +143,8 @@ def encode(n_args: int, entries: Sequence[tuple[str, str, Any]]) -> str:
                 f"{type(v).__name__} {v!r:.60}, which the FFI plan cannot express (it holds None, bool, "
                 f"int, float, str and lists of int/float/bool)"
             ) from None
+    if backward is not None:
+        lines.append("G" + _list(backward.leaves, _int))
+        lines.append("O" + _list(backward.outputs, _int))
     return "\n".join(lines)
 

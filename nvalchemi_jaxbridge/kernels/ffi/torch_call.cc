@@ -5,8 +5,9 @@
 // named by the call's `plan` attribute. Per call the handler copies the plan's
 // argument stack, wraps XLA's buffers as torch tensors (at::from_blob, no copy),
 // runs the op boxed with grad off (below autograd), and writes each returned tensor into its
-// result buffer. No Python runs on this side; a Python-implemented op takes the
-// GIL itself inside torch's dispatcher.
+// result buffer. A backward plan instead re-runs the op under autograd on the saved inputs
+// and writes torch::autograd::grad's input gradients into the results. No Python runs on
+// this side; a Python-implemented op (or backward formula) takes the GIL itself inside torch.
 //
 // Compiled by nvalchemi_jaxbridge/kernels/ffi/build.py; JB_WITH_CUDA adds the
 // CUDA handler (torch enqueues on XLA's stream).
@@ -18,6 +19,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include <cerrno>
 #include <cstdint>
@@ -44,10 +46,14 @@ namespace {
 
 // Where a tensor argument of the op comes from: FFI argument `index` or FFI result `index`
 // (a mutated argument: XLA aliases it to its input, so the op writes into JAX's result).
+// In a backward plan a mutated argument is FFI argument `index`, cloned before the op
+// writes into it (`cloned`), and `leaf` is its place among the differentiated inputs (or -1).
 struct Slot {
   size_t stack_pos;
   bool from_result;
   size_t index;
+  bool cloned = false;
+  int64_t leaf = -1;
 };
 
 struct Plan {
@@ -58,6 +64,12 @@ struct Plan {
   size_t n_args = 0;     // FFI arguments the call must bring
   size_t n_results = 0;  // FFI results: returns, then mutated arguments
   size_t n_returns = 0;  // tensors the op returns
+  // backward plans only: the FFI results are the gradients of the `n_leaves` differentiated
+  // inputs; `outputs[j]` is the op result (returns, then mutated arguments in slot order)
+  // whose cotangent is FFI argument n_args - outputs.size() + j.
+  bool backward = false;
+  size_t n_leaves = 0;
+  std::vector<size_t> outputs;
 
   Plan(std::string n, c10::OperatorHandle h) : name(std::move(n)), op(std::move(h)) {}
 };
@@ -82,6 +94,10 @@ const Plan* find_plan(int64_t id) {
 //   s<hex>       str, UTF-8 bytes in hex  I<i,i,...>   int list (may be empty)
 //   D<d,d,...>   double list              B<0,1,...>   bool list
 //   a<k>         FFI argument k           r<k>         FFI result k (mutated argument)
+//   m<k>         FFI argument k, cloned (a mutated argument in a backward plan)
+// A backward plan adds two lines after the schema's:
+//   G<k,k,...>   the FFI arguments differentiated, in the order of their gradient results
+//   O<r,r,...>   the op results that get a cotangent; the cotangents are the last FFI arguments
 
 [[noreturn]] void bad(const std::string& what, size_t line) {
   std::ostringstream os;
@@ -147,6 +163,21 @@ void decode_plan(Plan& plan, const std::string& encoded) {
   }
   plan.n_args = static_cast<size_t>(parse_int(lines[0].substr(4), 0));
   lines.erase(lines.begin());
+  std::vector<int64_t> leaves;
+  if (lines.size() >= 2 && !lines[lines.size() - 2].empty() && lines[lines.size() - 2][0] == 'G' &&
+      !lines.back().empty() && lines.back()[0] == 'O') {
+    plan.backward = true;
+    const size_t at = lines.size() - 2;
+    for (const auto& x : split(lines[at].substr(1), ',')) leaves.push_back(parse_int(x, at));
+    for (const auto& x : split(lines[at + 1].substr(1), ',')) {
+      int64_t r = parse_int(x, at + 1);
+      if (r < 0) bad("negative result index", at + 1);
+      plan.outputs.push_back(static_cast<size_t>(r));
+    }
+    if (plan.outputs.size() > plan.n_args) bad("more cotangents than FFI arguments", at + 1);
+    lines.resize(at);
+    plan.n_leaves = leaves.size();
+  }
   if (lines.size() != schema.arguments().size()) {
     std::ostringstream os;
     os << "the plan has " << lines.size() << " argument(s) but the schema " << schema << " has "
@@ -195,18 +226,39 @@ void decode_plan(Plan& plan, const std::string& encoded) {
         break;
       }
       case 'a':
+      case 'm':
       case 'r': {
         int64_t k = parse_int(v, i);
         if (k < 0) bad("negative buffer index", i);
-        plan.slots.push_back({i, tag == 'r', static_cast<size_t>(k)});
-        if (tag == 'a' && static_cast<size_t>(k) >= plan.n_args) bad("argument slot past n_args", i);
-        if (tag == 'r') ++n_mutated;
+        if (tag == 'r' && plan.backward) bad("a backward plan takes mutated arguments as 'm', not 'r'", i);
+        if (tag == 'm' && !plan.backward) bad("'m' slots belong to backward plans", i);
+        plan.slots.push_back({i, tag == 'r', static_cast<size_t>(k), tag == 'm'});
+        if (tag != 'r' && static_cast<size_t>(k) >= plan.n_args) bad("argument slot past n_args", i);
+        if (tag != 'a') ++n_mutated;
         plan.stack.emplace_back();
         break;
       }
       default:
         bad(std::string("unknown tag '") + tag + "'", i);
     }
+  }
+  if (plan.backward) {
+    for (size_t l = 0; l < leaves.size(); ++l) {
+      bool found = false;
+      for (auto& s : plan.slots) {
+        if (static_cast<int64_t>(s.index) == leaves[l]) {
+          if (s.leaf >= 0) bad("argument " + std::to_string(leaves[l]) + " differentiated twice", lines.size());
+          s.leaf = static_cast<int64_t>(l);
+          found = true;
+        }
+      }
+      if (!found) bad("differentiated argument " + std::to_string(leaves[l]) + " is no tensor slot", lines.size());
+    }
+    for (size_t r : plan.outputs) {
+      if (r >= plan.n_returns + n_mutated) bad("cotangent for result " + std::to_string(r) + " past the op's results", lines.size() + 1);
+    }
+    plan.n_results = plan.n_leaves;
+    return;
   }
   plan.n_results = plan.n_returns + n_mutated;
   for (const auto& s : plan.slots) {
@@ -327,6 +379,95 @@ ffi::Error run_plan(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRet
   return ffi::Error::Success();
 }
 
+// The backward: the op re-run under autograd on the saved inputs, and the gradients of the
+// differentiated inputs for the incoming cotangents, as the callback path's backward computes them.
+ffi::Error run_backward(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device) {
+  if (args.size() != plan.n_args || rets.size() != plan.n_results) {
+    std::ostringstream os;
+    os << "op " << plan.name << " (FFI backward call): got " << args.size() << " argument and " << rets.size()
+       << " result buffer(s), the plan expects " << plan.n_args << " and " << plan.n_results
+       << "; this is a bug in nvalchemi_jaxbridge (the plan and the ffi_call disagree), please report it";
+    return ffi::Error::Internal(os.str());
+  }
+  // Grad on and dispatch from the top, so the op's autograd kernel (a register_autograd
+  // formula, a composite's decomposition) records the graph.
+  at::AutoGradMode grad_on(true);
+  std::vector<c10::IValue> stack = plan.stack;
+  std::vector<at::Tensor> leaves(plan.n_leaves);
+  std::vector<at::Tensor> mutated;
+  for (const Slot& s : plan.slots) {
+    auto a = args.get<ffi::AnyBuffer>(s.index);
+    if (a.has_error()) return a.error();
+    at::Tensor t = as_tensor(*a, device, plan, "argument", s.index);
+    if (s.cloned) t = t.clone();  // the op writes into it; never into XLA's buffer
+    if (s.leaf >= 0) {
+      t.requires_grad_(true);
+      leaves[s.leaf] = t;
+      if (s.cloned) t = t.clone();  // in-place writes into a leaf are not allowed
+    }
+    if (s.cloned) mutated.push_back(t);
+    stack[s.stack_pos] = t;
+  }
+  plan.op.callBoxed(stack);
+  if (stack.size() != plan.n_returns) {
+    std::ostringstream os;
+    os << "op " << plan.name << " returned " << stack.size() << " value(s) in its backward's re-run, its "
+       << "schema declares " << plan.n_returns << "; fix the op's implementation to match its schema";
+    return ffi::Error::Internal(os.str());
+  }
+  const size_t first_ct = plan.n_args - plan.outputs.size();
+  std::vector<at::Tensor> outs, cts;
+  for (size_t j = 0; j < plan.outputs.size(); ++j) {
+    const size_t r = plan.outputs[j];
+    at::Tensor res;
+    if (r < plan.n_returns) {
+      if (!stack[r].isTensor()) {
+        std::ostringstream os;
+        os << "op " << plan.name << ": return " << r << " is a " << stack[r].tagKind()
+           << ", not a Tensor; fix the op's implementation to return Tensors as its schema declares";
+        return ffi::Error::Internal(os.str());
+      }
+      res = stack[r].toTensor();
+    } else {
+      res = mutated.at(r - plan.n_returns);
+    }
+    if (!res.requires_grad()) continue;  // no graph to this result: its cotangent adds nothing
+    auto c = args.get<ffi::AnyBuffer>(first_ct + j);
+    if (c.has_error()) return c.error();
+    outs.push_back(res);
+    cts.push_back(as_tensor(*c, device, plan, "argument", first_ct + j));
+  }
+  std::vector<at::Tensor> grads(plan.n_leaves);
+  if (!outs.empty() && plan.n_leaves > 0) {
+    grads = torch::autograd::grad(outs, leaves, cts, /*retain_graph=*/false, /*create_graph=*/false,
+                                  /*allow_unused=*/true);
+  }
+  for (size_t l = 0; l < plan.n_leaves; ++l) {
+    auto b = rets.get<ffi::AnyBuffer>(l);
+    if (b.has_error()) return b.error();
+    at::Tensor want = as_tensor(**b, device, plan, "result", l);
+    if (want.numel() == 0) continue;
+    const at::Tensor& got = grads[l];
+    if (!got.defined()) {
+      want.zero_();  // the input does not reach the differentiated results
+      continue;
+    }
+    if (got.sizes() != want.sizes() || got.scalar_type() != want.scalar_type()) {
+      std::ostringstream os;
+      os << "op " << plan.name << ": the gradient of differentiated input " << l << " is " << describe(got)
+         << " but JAX expected " << describe(want) << " (the input's shape and dtype); fix the op's "
+         << "backward formula (register_autograd) to return gradients shaped and typed like the inputs";
+      return ffi::Error::InvalidArgument(os.str());
+    }
+    want.copy_(got);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error run(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device) {
+  return plan.backward ? run_backward(plan, args, rets, device) : run_plan(plan, args, rets, device);
+}
+
 ffi::Error guarded(int64_t plan_id, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device,
                    void* stream) {
   const Plan* plan = find_plan(plan_id);
@@ -342,12 +483,12 @@ ffi::Error guarded(int64_t plan_id, ffi::RemainingArgs args, ffi::RemainingRets 
     if (device.is_cuda()) {  // torch enqueues on XLA's stream (and device) for the whole call
       c10::cuda::CUDAStreamGuard guard(
           c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), device.index()));
-      return run_plan(*plan, args, rets, device);
+      return run(*plan, args, rets, device);
     }
 #else
     (void)stream;
 #endif
-    return run_plan(*plan, args, rets, device);
+    return run(*plan, args, rets, device);
   } catch (const c10::Error& e) {
     msg = e.what_without_backtrace();
   } catch (const std::exception& e) {
@@ -356,7 +497,11 @@ ffi::Error guarded(int64_t plan_id, ffi::RemainingArgs args, ffi::RemainingRets 
     msg = "unknown C++ exception";
   }
   return ffi::Error(ffi::ErrorCode::kInternal,
-                    "torch op " + plan->name + " failed inside its FFI call: " + msg);
+                    "torch op " + plan->name + " failed inside its FFI " +
+                        (plan->backward ? "backward call (torch autograd re-running the op and its backward "
+                                          "formula on the saved inputs): "
+                                        : "call: ") +
+                        msg);
 }
 
 ffi::Error call_cpu(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t plan) {
