@@ -1,6 +1,7 @@
 """The compiled XLA FFI call path of TorchOpKernel (issue 7) against the native torch call and the
 buffer_callback path: statics of every encodable kind, aliasing, zero-size arrays, Triton, shard_map,
-jax.grad, errors, fallbacks, and the build cache.
+jax.grad (the FFI backward against the callback backward, torch autograd and closed forms), errors,
+fallbacks, and the build cache.
 """
 
 from __future__ import annotations
@@ -113,6 +114,50 @@ def liar(x: torch.Tensor) -> torch.Tensor:
 
 
 liar.register_fake(lambda x: torch.empty_like(x))
+
+
+# differentiable ops for the backward (the ops above without autograd only run forward)
+
+
+@torch.library.custom_op(f"{NS}::scale_by", mutates_args=())
+def scale_by(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """x * n for an integer n (not differentiated), with a backward formula."""
+    return x * n.to(x.dtype)
+
+
+scale_by.register_fake(lambda x, n: torch.empty_like(x))
+scale_by.register_autograd(lambda ctx, g: (g * ctx.n.to(g.dtype), None), setup_context=lambda ctx, inputs, output: setattr(ctx, "n", inputs[1]))
+
+# keyword-only tensor and statics, autograd through the decomposition: a x w + b + k
+_lib.define("kwlin(Tensor x, float a, *, Tensor w, int k, float b=0.5) -> Tensor")
+_lib.impl("kwlin", lambda x, a, *, w, k, b=0.5: a * x * w + b + k, "CompositeImplicitAutograd")
+# a mutated argument, differentiable through the decomposition: out += b x in place, returns x^2
+_lib.define("axpy_sq(Tensor x, Tensor(a!) out, float b) -> Tensor")
+
+
+def _axpy_sq(x, out, b):
+    out.add_(x, alpha=b)
+    return x * x
+
+
+_lib.impl("axpy_sq", _axpy_sq, "CompositeImplicitAutograd")
+
+
+@torch.library.custom_op(f"{NS}::bad_bwd", mutates_args=())
+def bad_bwd(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+def _bad_backward(ctx, g):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(g, FakeTensor):  # the trace-time differentiability check passes
+        return g * 3
+    raise RuntimeError("boom in the backward of ktffi::bad_bwd")
+
+
+bad_bwd.register_fake(lambda x: torch.empty_like(x))
+bad_bwd.register_autograd(_bad_backward)
 
 
 def _ffi_and_callback(op, *args, outputs=None, **kwargs):
@@ -256,15 +301,120 @@ def test_inside_jit_and_shard_map_over_8_devices():
         np.testing.assert_allclose(np.asarray(forces[4 * d : 4 * d + 4]), wf, rtol=1e-12, atol=1e-14)
 
 
-def test_grad_forward_ffi_backward_callback_matches_torch_autograd():
-    pos, mask = _lj_inputs(2, np.float64)
-    k = TorchOpKernel(LJ, outputs=(0,), call_path="ffi")
-    assert k.call_path_of(pos, mask, cutoff=6.0) == "ffi"
-    g = jax.jit(jax.grad(lambda p: k(p, mask, cutoff=6.0)))(pos)
+def _grads_ffi_and_callback(op, loss_of, arrays, *, outputs=None, argnums=0):
+    """jax.jit(jax.grad(loss_of(kernel))) on the FFI path and on the callback path, checking both paths."""
+    kf = TorchOpKernel(op, outputs=outputs, call_path="ffi")
+    kc = TorchOpKernel(op, outputs=outputs, call_path="callback")
+    out = []
+    for k in (kf, kc):
+        out.append(jax.jit(jax.grad(loss_of(k), argnums=argnums))(*arrays))
+    return out, kf, kc
+
+
+def _torch_lj_grad(op, pos, mask, a, v):
+    """d(a E + sum(v . F))/d pos by torch autograd through the op's own backward formula."""
     t = torch.tensor(pos, requires_grad=True)
-    e, _ = LJ(t, torch.from_numpy(mask), cutoff=6.0)
-    (want,) = torch.autograd.grad(e, t)
-    np.testing.assert_allclose(np.asarray(g), want.numpy(), rtol=1e-12, atol=1e-14)
+    e, f = op(t, torch.from_numpy(mask), cutoff=6.0)
+    (g,) = torch.autograd.grad(a * e + (f * torch.from_numpy(v)).sum(), t)
+    return g.numpy()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("op", [LJ, LJ_TRITON], ids=["torch", "triton"])
+def test_grad_ffi_backward_matches_callback_and_torch_autograd_in_shard_map(op, dtype):
+    """Energy and a forces cotangent (a Hessian-vector product), 8 devices, 4 atoms each."""
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    pos, _ = _lj_inputs(2, dtype)
+    mask = np.ones(len(pos), bool)
+    mask[::5] = False
+    v = np.random.default_rng(1).normal(size=pos.shape).astype(dtype)
+    a = 1.5
+
+    def loss_of(k):
+        def per_device(p, m, w):
+            e, f = k(p, m, cutoff=6.0)
+            return (a * e + jnp.sum(f * w))[None]
+
+        sm = jax.shard_map(per_device, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x"))
+        return lambda p: jnp.sum(sm(p, mask, v))
+
+    (gf, gc), kf, _ = _grads_ffi_and_callback(op, loss_of, (pos,))
+    assert kf.backward_path_of(pos[:4], mask[:4], cutoff=6.0) == "ffi"
+    assert gf.dtype == dtype
+    want = np.concatenate([_torch_lj_grad(op, pos[b : b + 4], mask[b : b + 4], a, v[b : b + 4]) for b in range(0, len(pos), 4)])
+    rtol = 2e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(np.asarray(gf), want, rtol=rtol, atol=rtol * np.abs(want).max())
+    np.testing.assert_allclose(np.asarray(gf), np.asarray(gc), rtol=rtol, atol=rtol * np.abs(want).max())
+
+
+def test_grad_of_a_selected_subset_of_outputs():
+    """outputs=(1,) (forces only, a Hessian-vector product) and outputs=(0,) (energy)."""
+    pos, mask = _lj_inputs(2, np.float64)
+    v = np.random.default_rng(2).normal(size=pos.shape)
+    (gf, gc), kf, _ = _grads_ffi_and_callback(LJ, lambda k: lambda p: jnp.sum(k(p, mask, cutoff=6.0) * v), (pos,), outputs=(1,))
+    assert kf.backward_path_of(pos, mask, cutoff=6.0) == "ffi"
+    want = _torch_lj_grad(LJ, pos, mask, 0.0, v)
+    np.testing.assert_allclose(np.asarray(gf), want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+    np.testing.assert_allclose(np.asarray(gf), np.asarray(gc), rtol=1e-12, atol=1e-12 * np.abs(want).max())
+    (gf, gc), _, _ = _grads_ffi_and_callback(LJ, lambda k: lambda p: k(p, mask, cutoff=6.0), (pos,), outputs=(0,))
+    want = _torch_lj_grad(LJ, pos, mask, 1.0, np.zeros_like(pos))
+    np.testing.assert_allclose(np.asarray(gf), want, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(np.asarray(gf), np.asarray(gc), rtol=1e-12, atol=1e-14)
+
+
+def test_grad_keyword_only_tensor_and_statics():
+    x, w = np.linspace(-1.0, 1.0, 6), np.linspace(2.0, 3.0, 6)
+    ct = np.arange(1.0, 7.0)
+    loss_of = lambda k: lambda x, w: jnp.vdot(k(x, 2.5, w=w, k=3, b=-1.0), ct)  # noqa: E731
+    ((gx, gw), (cx, cw)), kf, _ = _grads_ffi_and_callback(torch.ops.ktffi.kwlin.default, loss_of, (x, w), argnums=(0, 1))
+    assert kf.backward_path_of(x, 2.5, w=w, k=3, b=-1.0) == "ffi"
+    np.testing.assert_allclose(np.asarray(gx), 2.5 * w * ct, rtol=1e-15)  # d(a x w)/dx
+    np.testing.assert_allclose(np.asarray(gw), 2.5 * x * ct, rtol=1e-15)
+    np.testing.assert_array_equal(np.asarray(gx), np.asarray(cx))
+    np.testing.assert_array_equal(np.asarray(gw), np.asarray(cw))
+
+
+@pytest.mark.parametrize("outputs", [None, ("out",), (0,)])
+def test_grad_through_a_mutated_argument(outputs):
+    """axpy_sq: (x^2, out0 + b x); the mutated input's gradient is its cotangent, x's 2x ct0 + b ct1."""
+    x, out0, b = np.linspace(-2.0, 2.0, 5), np.full(5, 10.0), -0.75
+    ct0, ct1 = np.arange(5.0) + 1, np.arange(5.0) * 0.5 - 1
+    cts = {None: (ct0, ct1), ("out",): (ct1,), (0,): (ct0,)}[outputs]
+
+    def loss_of(k):
+        def loss(x, o):
+            res = k(x, o, b)
+            res = res if isinstance(res, tuple) else (res,)
+            return sum(jnp.vdot(r, c) for r, c in zip(res, cts))
+
+        return loss
+
+    ((gx, go), (cx, co)), kf, _ = _grads_ffi_and_callback(torch.ops.ktffi.axpy_sq.default, loss_of, (x, out0), outputs=outputs, argnums=(0, 1))
+    assert kf.backward_path_of(x, out0, b) == "ffi"
+    c0 = ct0 if outputs != ("out",) else 0.0
+    c1 = ct1 if outputs != (0,) else 0.0
+    np.testing.assert_allclose(np.asarray(gx), 2 * x * c0 + b * c1, rtol=1e-15)
+    np.testing.assert_allclose(np.asarray(go), np.broadcast_to(c1, x.shape), rtol=1e-15)
+    np.testing.assert_array_equal(np.asarray(gx), np.asarray(cx))
+    np.testing.assert_array_equal(np.asarray(go), np.asarray(co))
+
+
+@hypothesis.given(
+    shape=st.lists(st.integers(0, 5), min_size=0, max_size=3),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    n=st.integers(-3, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_grad_shapes_and_dtypes_match_closed_form_and_callback(shape, dtype, n, seed):
+    """x * n with an integer (undifferentiated) n: the gradient is n ct, on both paths."""
+    rng = np.random.default_rng(seed)
+    x, ct = rng.normal(size=shape).astype(dtype), rng.normal(size=shape).astype(dtype)
+    nn = np.asarray(n, np.int32)
+    (gf, gc), kf, _ = _grads_ffi_and_callback(torch.ops.ktffi.scale_by.default, lambda k: lambda x: jnp.vdot(k(x, nn), ct), (x,))
+    assert kf.backward_path_of(x, nn) == "ffi"
+    assert gf.dtype == dtype and gf.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(gf), n * ct)
+    np.testing.assert_array_equal(np.asarray(gf), np.asarray(gc))
 
 
 @hypothesis.given(
@@ -291,6 +441,17 @@ def test_op_raising_in_its_impl_reaches_jax():
         jax.block_until_ready(jax.jit(k)(jnp.ones(3)))
 
 
+def test_op_whose_backward_raises_reaches_jax():
+    k = TorchOpKernel(torch.ops.ktffi.bad_bwd.default, call_path="ffi")
+    assert k.backward_path_of(jnp.ones(3)) == "ffi"
+    g = jax.jit(jax.grad(lambda x: k(x).sum()))
+    with pytest.raises(
+        jax.errors.JaxRuntimeError,
+        match=r"torch op ktffi::bad_bwd failed inside its FFI backward call.*boom in the backward of ktffi::bad_bwd",
+    ):
+        jax.block_until_ready(g(jnp.ones(3)))
+
+
 def test_fake_that_lies_about_a_shape_is_named():
     k = TorchOpKernel(torch.ops.ktffi.liar.default, call_path="ffi")
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"ktffi::liar: return 0 is \[3\] Double but JAX expected \[4\] Double.*register_fake"):
@@ -303,6 +464,7 @@ def test_ineligible_call_falls_back_under_auto_and_raises_under_ffi():
     assert TorchOpKernel(torch.ops.ktffi.roll.default).call_path_of(x, [1], [0]) == "ffi"  # eligible: FFI
     path = auto.call_path_of(x, torch.int32)
     assert path.startswith("callback (argument 'dtype' (position 1) has schema type int and value dtype")
+    assert auto.backward_path_of(x, torch.int32) == path  # the backward follows the forward
     np.testing.assert_array_equal(np.asarray(auto(x, torch.int32)), np.arange(4, dtype=np.int32))
     strict = TorchOpKernel(torch.ops.ktffi.cast.default, call_path="ffi")
     with pytest.raises(KernelError, match=r"ktffi::cast cannot take the FFI call path \(call_path='ffi'\): argument 'dtype'.*call_path=\"auto\""):
@@ -315,6 +477,7 @@ def test_bad_call_path_and_env_value(monkeypatch):
     monkeypatch.setenv(torch_op.ENV_CALL_PATH, "callback")
     x = np.arange(3.0)
     assert TorchOpKernel(torch.ops.ktffi.roll.default).call_path_of(x, [1], [0]) == "callback (JAXBRIDGE_KERNEL_PATH=callback)"
+    assert TorchOpKernel(torch.ops.ktffi.roll.default).backward_path_of(x, [1], [0]) == "callback (JAXBRIDGE_KERNEL_PATH=callback)"
     assert TorchOpKernel(torch.ops.ktffi.roll.default, call_path="ffi").call_path_of(x, [1], [0]) == "ffi"
     monkeypatch.setenv(torch_op.ENV_CALL_PATH, "gpu")
     with pytest.raises(KernelError, match=r"JAXBRIDGE_KERNEL_PATH is 'gpu'.*one of \['auto', 'ffi', 'callback'\]"):

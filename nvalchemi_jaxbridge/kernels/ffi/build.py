@@ -18,6 +18,7 @@ import os
 import pathlib
 import shlex
 import subprocess
+import sysconfig
 import sys
 import time
 
@@ -129,7 +130,8 @@ def config() -> BuildConfig:
     from torch.utils import cpp_extension
 
     compiler = os.environ.get("CXX") or "c++"
-    includes = [*cpp_extension.include_paths(), jax.ffi.include_dir()]
+    # Python's headers: the handler clears a Python error torch's autograd engine leaves set
+    includes = [*cpp_extension.include_paths(), jax.ffi.include_dir(), sysconfig.get_paths()["include"]]
     cuda_dirs = _cuda_include_dirs() if torch.version.cuda else []
     lib_dir = str(pathlib.Path(torch.__file__).parent / "lib")
     cuda = bool(cuda_dirs) and os.path.exists(os.path.join(lib_dir, "libc10_cuda.so"))

@@ -12,6 +12,8 @@
 // Compiled by nvalchemi_jaxbridge/kernels/ffi/build.py; JB_WITH_CUDA adds the
 // CUDA handler (torch enqueues on XLA's stream).
 
+#include <Python.h>  // first, as Python asks; only to clear an error torch's autograd engine leaves set
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/core/ivalue.h>
@@ -468,6 +470,17 @@ ffi::Error run(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRets ret
   return plan.backward ? run_backward(plan, args, rets, device) : run_plan(plan, args, rets, device);
 }
 
+// torch's Python autograd engine, when a Python backward formula raises, also sets the error
+// as the thread's pending Python exception before rethrowing it as C++. The handler turns the
+// exception into an FFI error, so the pending one is cleared (JAX would otherwise raise with an
+// exception already set: a SystemError).
+void clear_pending_python_error() {
+  if (!Py_IsInitialized()) return;
+  PyGILState_STATE st = PyGILState_Ensure();
+  if (PyErr_Occurred() != nullptr) PyErr_Clear();
+  PyGILState_Release(st);
+}
+
 ffi::Error guarded(int64_t plan_id, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device,
                    void* stream) {
   const Plan* plan = find_plan(plan_id);
@@ -496,6 +509,7 @@ ffi::Error guarded(int64_t plan_id, ffi::RemainingArgs args, ffi::RemainingRets 
   } catch (...) {
     msg = "unknown C++ exception";
   }
+  if (plan->backward) clear_pending_python_error();
   return ffi::Error(ffi::ErrorCode::kInternal,
                     "torch op " + plan->name + " failed inside its FFI " +
                         (plan->backward ? "backward call (torch autograd re-running the op and its backward "
