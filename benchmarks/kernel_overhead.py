@@ -17,7 +17,9 @@ The JAX paths are timed by wall clock around the call and `block_until_ready`.
 
 Two more tables compare the bridge's two call paths in one process, calls
 alternating: "callback vs FFI" (before = buffer_callback, after = FFI; forward and
-`jax.grad`, whose backward runs on the callback path in both), and "inside one
+`jax.grad`, whose backward runs on the same path as the forward: the callback backward
+against the FFI backward; XLA drops the unused forward call from the gradient's
+program on both paths, so the grad rows time the backward call), and "inside one
 program": a chain of N dependent calls unrolled in one jitted program (time / N)
 for both paths and for native torch (N dependent calls, one synchronize at the
 end), which takes the cost of dispatching a program out of the per-call figure.
@@ -26,7 +28,7 @@ The breakdown (part of the default run; `--breakdown` runs only it) takes one ca
 apart under `jax.jit`: (i) pure XLA, (ii) `buffer_callback` with an empty callback,
 (iii) + DLPack views of the buffers, (iv) + torch on XLA's stream and device (GPU
 only), (v) + the op call, (v') + the copy into XLA's outputs, (vi) the whole
-`TorchOpKernel`, (vii) its gradient. Where the package changed a mechanism, the
+`TorchOpKernel`, (vii) its gradient (callback backward; (vii') FFI backward). Where the package changed a mechanism, the
 old and the new variant are both timed. `--before PATH` also times the
 `TorchOpKernel` of another checkout (e.g. `git worktree add /tmp/before <commit>`)
 against this one, interleaved in one process.
@@ -263,10 +265,14 @@ def _breakdown_paths(name, op, targs, jargs, gpu: bool, kernel_cls) -> dict[str,
     if _grad_op(name) is not None:
         kg = kernel_cls(_grad_op(name), outputs=(0,), call_path="callback")
         g = jax.jit(jax.grad(lambda x, *rest: jnp.sum(kg(x, *rest))))
-        paths["(vii) jax.grad of sum(output 0), TorchOpKernel, op with a backward formula (fwd + bwd callbacks)"] = (lambda: g(*jargs), "grad")
+        # the gradient's program keeps only the backward call: XLA drops the unused forward
+        paths["(vii) jax.grad of sum(output 0), TorchOpKernel, op with a backward formula (backward callback)"] = (lambda: g(*jargs), "grad")
         kgf = kernel_cls(_grad_op(name), outputs=(0,), call_path="ffi")
         gf = jax.jit(jax.grad(lambda x, *rest: jnp.sum(kgf(x, *rest))))
-        paths["(vii') jax.grad of sum(output 0), FFI forward + callback backward"] = (lambda: gf(*jargs), "grad")
+        # an older checkout (--before) has no backward_path_of: its backward was the callback
+        bwd = kgf.backward_path_of(*jargs) if hasattr(kgf, "backward_path_of") else "callback"
+        bwd = "FFI backward" if bwd == "ffi" else f"callback backward ({bwd})"
+        paths[f"(vii') jax.grad of sum(output 0), FFI path ({bwd})"] = (lambda: gf(*jargs), "grad")
     return paths
 
 
@@ -339,7 +345,7 @@ def _run_paths(rep, cases, jdev, warmup: int, iters: int, flat) -> None:
             # gradient of sum(output 0) w.r.t. input 0: x*2 through its twin with a backward formula
             gop = _grad_op(name) or op
             want = {"forward": flat(op(*targs)), "grad": flat(_torch_grad(gop, targs))}
-            fns = {}
+            fns, bwd_paths = {}, {}
             for path in ("callback", "ffi"):
                 k = TorchOpKernel(op, call_path=path)
                 f = jax.jit(lambda *xs, k=k: k(*xs))
@@ -347,12 +353,15 @@ def _run_paths(rep, cases, jdev, warmup: int, iters: int, flat) -> None:
                 kg = TorchOpKernel(gop, outputs=(0,), call_path=path)
                 g = jax.jit(jax.grad(lambda x, *rest, kg=kg: jnp.sum(kg(x, *rest))))
                 fns[path, "grad"] = lambda g=g: g(*jargs)
+                bwd_paths[path] = kg.backward_path_of(*jargs)
             times = _interleaved(fns, warmup=warmup, iters=iters)
             for call in ("forward", "grad"):
                 ok = all(np.allclose(g, w, rtol=1e-4, atol=1e-5 * (1 + np.abs(w).max()))
                          for path in ("callback", "ffi") for g, w in zip(flat(fns[path, call]()), want[call]))
                 b, a = cm.med(times["callback", call]), cm.med(times["ffi", call])
-                label = "forward" if call == "forward" else "jax.grad of sum(output 0) (backward: callback in both)"
+                ffi_bwd = "FFI" if bwd_paths["ffi"] == "ffi" else bwd_paths["ffi"]
+                label = "forward" if call == "forward" else (
+                    f"jax.grad of sum(output 0) (the backward call: callback vs {ffi_bwd})")
                 rep.row(rows, [name, label, cm.us(b), cm.us(a), f"{a / b:.2f}", cm.us(b - a),
                                "same result" if ok else "MISMATCH"])
                 if not ok:
