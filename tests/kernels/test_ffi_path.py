@@ -633,7 +633,8 @@ def test_other_process_reuses_the_build():
     "(tests/conftest.py defaults JAX to the CPU)",
 )
 def test_gpu_ffi_path_orders_with_xla_work_and_matches_torch():
-    """GPU only: the op (on XLA's stream) sees a long XLA loop's result, and XLA sees the op's result."""
+    """GPU only: the op (on XLA's stream) sees a long XLA loop's result, and XLA sees the op's result;
+    the FFI backward matches torch's on the GPU."""
     prev = torch.cuda.current_stream()
     k = TorchOpKernel(torch.ops.ktffi.kwstat.default, call_path="ffi")
     acc = TorchOpKernel(torch.ops.ktffi.accum.default, call_path="ffi")
@@ -656,3 +657,14 @@ def test_gpu_ffi_path_orders_with_xla_work_and_matches_torch():
         want = op(torch.tensor(pos, device="cuda"), torch.tensor(mask, device="cuda"), cutoff=6.0)
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.asarray(g), w.cpu().numpy(), rtol=1e-5, atol=1e-5 * float(w.abs().max()))
+        # the FFI backward on XLA's stream: energy and a forces cotangent (Hessian-vector product)
+        v = np.random.default_rng(3).normal(size=pos.shape).astype(np.float32)
+        k = TorchOpKernel(op, call_path="ffi")
+        assert k.backward_path_of(pos, mask, cutoff=6.0) == "ffi"
+        loss = lambda p, k=k: 1.5 * k(p, mask, cutoff=6.0)[0] + jnp.sum(k(p, mask, cutoff=6.0)[1] * v)  # noqa: E731
+        g = jax.jit(jax.grad(loss))(pos)
+        t = torch.tensor(pos, device="cuda", requires_grad=True)
+        e, f = op(t, torch.tensor(mask, device="cuda"), cutoff=6.0)
+        (w,) = torch.autograd.grad(1.5 * e + (f * torch.tensor(v, device="cuda")).sum(), t)
+        np.testing.assert_allclose(np.asarray(g), w.cpu().numpy(), rtol=1e-4, atol=1e-4 * float(w.abs().max()))
+        assert torch.cuda.current_stream() == prev
