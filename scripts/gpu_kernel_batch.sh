@@ -21,7 +21,7 @@ log "gpu_kernels_check"
 timeout 240 "$PY" scripts/gpu_kernels_check.py > "$OUT/gpu_kernels_check.log" 2>&1
 log "gpu_kernels_check exit $?"; grep -E "^(PASS|FAIL)" "$OUT/gpu_kernels_check.log" | tail -3
 log "GPU tests of the FFI path"
-JAX_PLATFORMS=cuda,cpu timeout 240 "$PY" -m pytest tests/kernels/test_ffi_path.py tests/kernels/test_call_path.py -k gpu -q -p no:cacheprovider \
+JAX_PLATFORMS=cuda,cpu TRITON_INTERPRET=0 timeout 240 "$PY" -m pytest tests/kernels/test_ffi_path.py tests/kernels/test_call_path.py -k gpu -q -p no:cacheprovider \
   > "$OUT/pytest_gpu.log" 2>&1
 log "pytest exit $?"; tail -3 "$OUT/pytest_gpu.log"
 for _ in $(seq 300); do kill -0 "$PRE" 2>/dev/null || break; sleep 1; done

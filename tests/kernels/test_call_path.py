@@ -201,7 +201,7 @@ def test_cpu_buffers_leave_torch_alone():
 
 @pytest.mark.skipif(
     jax.default_backend() != "gpu",
-    reason="needs JAX and torch on a CUDA GPU; on a GPU machine run with JAX_PLATFORMS=cuda,cpu "
+    reason="needs JAX and torch on a CUDA GPU; on a GPU machine run with JAX_PLATFORMS=cuda,cpu TRITON_INTERPRET=0 "
     "(tests/conftest.py defaults JAX to the CPU)",
 )
 def test_gpu_op_runs_after_pending_xla_work_and_leaves_torch_streams():

@@ -629,7 +629,7 @@ def test_other_process_reuses_the_build():
 
 @pytest.mark.skipif(
     jax.default_backend() != "gpu",
-    reason="needs JAX and torch on a CUDA GPU; on a GPU machine run with JAX_PLATFORMS=cuda,cpu "
+    reason="needs JAX and torch on a CUDA GPU; on a GPU machine run with JAX_PLATFORMS=cuda,cpu TRITON_INTERPRET=0 "
     "(tests/conftest.py defaults JAX to the CPU)",
 )
 def test_gpu_ffi_path_orders_with_xla_work_and_matches_torch():
