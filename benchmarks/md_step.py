@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", default="torch,triton",
                    help="comma list of torch, triton, torch-cells (the cell-list op; LJ only, 10^4 .. 2x10^6 atoms)")
     p.add_argument("--skin", type=float, default=1.0)
+    p.add_argument("--min-atoms", type=int, default=0, help="skip the ladder's sizes below this many atoms")
     a = p.parse_args(argv)
     platform = cm.setup(a.platform)
     import jax
@@ -337,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{a.budget_s:.0f} s time budget is spent.")
                 break
             case = make_case(kind, kernel, cells, SMOKE_CUTOFF if a.smoke else None)
+            if case.n < a.min_atoms:
+                continue
             ref_f = None
             res: dict[str, float] = {}
             for mode in MODES:
