@@ -265,13 +265,13 @@ class TorchOpKernel:
             then its mutated arguments in schema order), or names of mutated
             arguments. Default: all of them. One selected result is returned bare,
             several as a tuple.
-        call_path: how the forward reaches the op. "auto" (default): the compiled
-            XLA FFI handler when it is available and the call's static arguments
-            can be encoded, else `buffer_callback` (the environment variable
+        call_path: how a call reaches the op, forward and backward. "auto" (default):
+            the compiled XLA FFI handler when it is available and the call's static
+            arguments can be encoded, else `buffer_callback` (the environment variable
             `JAXBRIDGE_KERNEL_PATH` = auto / ffi / callback replaces "auto");
             "ffi": only the FFI handler (a `KernelError` says why a call cannot);
-            "callback": only `buffer_callback`. `call_path_of(...)` tells which
-            path a call takes.
+            "callback": only `buffer_callback`. `call_path_of(...)` and
+            `backward_path_of(...)` tell which path a call takes.
 
     Call it like the op: tensors as JAX arrays (shape and dtype as torch expects),
     everything else (numbers, bools, strings, None) as Python values, positional
