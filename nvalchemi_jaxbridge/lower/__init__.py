@@ -2,7 +2,7 @@
 
 from .compile import CompiledSpec as CompiledSpec
 from .compile import compile as compile
-from .compile import jax_kernel as jax_kernel
+from .entries import jax_kernel as jax_kernel
 from .mesh import field_shardings as field_shardings
 from .mesh import make_mesh as make_mesh
 from .tables import HaloTables as HaloTables
