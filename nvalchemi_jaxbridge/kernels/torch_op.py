@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -744,6 +745,7 @@ class TorchOpKernel:
         source = tuple(out_of.get(i) for i in array_pos)
         call = self._op_caller(statics, array_pos)
         set_grad, grad_enabled = torch._C._set_grad_enabled, torch.is_grad_enabled
+        name = self.name
 
         def callback(ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
             saved = _enter_xla_stream(ctx, outs[0])
@@ -755,6 +757,9 @@ class TorchOpKernel:
                 for o, r in zip(t_out, res):  # returns only; mutated arguments were written in place
                     if o.data_ptr() != r.data_ptr() or o.numel() == 0:
                         o.copy_(r)  # a functional op allocates its result: one device copy
+            except BaseException as e:
+                _report_failure(name, "call", outs[0], e)
+                raise
             finally:
                 set_grad(grad)
                 if saved is not None:
@@ -773,6 +778,7 @@ class TorchOpKernel:
         picks = tuple((call.selected[j], n_arrays + c) for c, j in enumerate(ct_idx))
         run_op = self._op_caller(call.statics, array_pos)
         set_grad, grad_enabled = torch._C._set_grad_enabled, torch.is_grad_enabled
+        name = self.name
 
         def callback(ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
             saved = _enter_xla_stream(ctx, outs[0])
@@ -805,6 +811,9 @@ class TorchOpKernel:
                         o.zero_()
                     else:
                         o.copy_(g)
+            except BaseException as e:
+                _report_failure(name, "backward call", outs[0], e)
+                raise
             finally:
                 set_grad(grad)
                 if saved is not None:
@@ -906,6 +915,24 @@ def _platform() -> str:
         return backend
     version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
     return "rocm" if "rocm" in version else "cuda"
+
+
+def _report_failure(op: str, what: str, buf: Any, e: BaseException) -> None:
+    """Write a failed callback's error to stderr at once, naming the op and the device.
+
+    The exception is raised too, but when the program has collectives the other
+    devices wait for this one in a rendezvous, and XLA may end the process at its
+    timeout before the error reaches Python: this line is then all the user sees.
+    """
+    kind, index = buf.__dlpack_device__()
+    device = f"cuda:{index}" if kind in (_KDL_CUDA, _KDL_ROCM) else "cpu"
+    print(
+        f"nvalchemi_jaxbridge: on device {device}: torch op {op} failed inside its {what} "
+        f"(callback path): {type(e).__name__}: {e}\n(also raised as a JAX error; if other devices wait "
+        f"for this one in a collective, XLA may stop the process before that error reaches Python)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _is_data_dependent(e: BaseException) -> bool:

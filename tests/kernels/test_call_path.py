@@ -1,5 +1,6 @@
-"""The per-call path of TorchOpKernel (issue 7): argument slots filled from precomputed
+"""The callback call path of TorchOpKernel (issue 7): argument slots filled from precomputed
 templates, torch's grad mode and CUDA stream/device set for the op and restored after.
+(`call_path="callback"` throughout: "auto" takes the FFI path, tested in test_ffi_path.py.)
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ fails.register_fake(lambda x: torch.empty_like(x))
 def test_keyword_only_tensor_and_statics_reach_their_slots(n, m, a, b, seed):
     rng = np.random.default_rng(seed)
     x, w, ct = rng.normal(size=(3, n, m))
-    k = TorchOpKernel(torch.ops.ktcp.mix)
+    k = TorchOpKernel(torch.ops.ktcp.mix, call_path="callback")
     f = jax.jit(lambda x, w: k(x, a, w=w, b=b))
     for _ in range(2):  # the second call reuses the compiled call: templates must not carry over
         np.testing.assert_allclose(np.asarray(f(jnp.asarray(x), jnp.asarray(w))), a * x + b * w, rtol=1e-12)
@@ -80,7 +81,7 @@ def test_keyword_only_tensor_and_statics_reach_their_slots(n, m, a, b, seed):
 
 
 def test_mutated_keyword_only_argument_is_written_in_place():
-    k = TorchOpKernel(torch.ops.ktcp.add_into)
+    k = TorchOpKernel(torch.ops.ktcp.add_into, call_path="callback")
     assert k.result_names == ("mutated argument 'out'",)
     x, out0 = jnp.arange(6.0).reshape(2, 3), jnp.full((2, 3), 0.5)
     got = jax.jit(lambda x, o: k(x, out=o, b=2.0))(x, out0)
@@ -92,7 +93,7 @@ def test_mutated_keyword_only_argument_is_written_in_place():
 
 
 def test_grad_mode_is_off_in_forward_on_in_backward_and_restored_after():
-    k = TorchOpKernel(torch.ops.ktcp.probe)
+    k = TorchOpKernel(torch.ops.ktcp.probe, call_path="callback")
     x = jnp.arange(4.0)
     for outer in (True, False):
         SEEN.clear()
@@ -109,11 +110,15 @@ def test_grad_mode_is_off_in_forward_on_in_backward_and_restored_after():
         assert {s[0] for s in SEEN} == {threading.get_ident()}
 
 
-def test_grad_mode_is_restored_when_the_op_raises():
-    k = TorchOpKernel(torch.ops.ktcp.fails)
+def test_grad_mode_is_restored_when_the_op_raises(capfd):
+    k = TorchOpKernel(torch.ops.ktcp.fails, call_path="callback")
     with pytest.raises(Exception, match="boom from ktcp::fails"):
         jax.block_until_ready(k(jnp.ones(3)))
     assert torch.is_grad_enabled()
+    # written to stderr at once too (a collective elsewhere in the program could end the process first)
+    err = capfd.readouterr().err
+    assert "nvalchemi_jaxbridge: on device cpu: torch op ktcp::fails failed inside its call (callback path)" in err
+    assert "RuntimeError: boom from ktcp::fails" in err
 
 
 # ------------------------------------------------------------------ CUDA stream and device
@@ -207,7 +212,7 @@ def test_cpu_buffers_leave_torch_alone():
 def test_gpu_op_runs_after_pending_xla_work_and_leaves_torch_streams():
     """GPU only (not run on the CPU test machine): the op must see the finished result of a long XLA loop."""
     prev = torch.cuda.current_stream()
-    k = TorchOpKernel(torch.ops.ktcp.probe)
+    k = TorchOpKernel(torch.ops.ktcp.probe, call_path="callback")
 
     def f(x):
         y = jax.lax.fori_loop(0, 300, lambda i, y: jnp.tanh(y @ y.T) / 64.0 + y, x)

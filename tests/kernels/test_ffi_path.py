@@ -435,10 +435,14 @@ def test_shapes_and_dtypes_match_native_and_callback(shape, dtype, shift, seed):
 # ------------------------------------------------------------------ errors and fallbacks
 
 
-def test_op_raising_in_its_impl_reaches_jax():
+def test_op_raising_in_its_impl_reaches_jax(capfd):
     k = TorchOpKernel(torch.ops.ktffi.fails.default, call_path="ffi")
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"torch op ktffi::fails failed inside its FFI call.*boom from ktffi::fails"):
         jax.block_until_ready(jax.jit(k)(jnp.ones(3)))
+    # written to stderr at once too (a collective elsewhere in the program could end the process first)
+    err = capfd.readouterr().err
+    assert "nvalchemi_jaxbridge: on device cpu: torch op ktffi::fails failed inside its FFI call" in err
+    assert "boom from ktffi::fails" in err
 
 
 def test_op_whose_backward_raises_reaches_jax():

@@ -21,6 +21,7 @@ import subprocess
 import sysconfig
 import sys
 import time
+from typing import Any
 
 from ..torch_op import KernelError
 
@@ -82,7 +83,7 @@ def _cuda_include_dirs() -> list[str]:
     folder holding both cuda_runtime_api.h and crt/host_config.h wins; else one folder
     for each, where both are found.
     """
-    from torch.utils import cpp_extension
+    cpp_extension = _cpp_extension()
 
     homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), getattr(cpp_extension, "CUDA_HOME", None),
              "/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]
@@ -98,12 +99,30 @@ def _cuda_include_dirs() -> list[str]:
     return [runtime[0], crt[0]] if runtime and crt else []
 
 
+def _cpp_extension() -> Any:
+    """`torch.utils.cpp_extension` (for its include paths), imported without its import-time warning.
+
+    On a machine without a CUDA runtime torch logs "No CUDA runtime is found" when the
+    module is first imported; the FFI build only reads paths from it, so that line
+    would be noise in every user's output.
+    """
+    import logging
+
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        log.setLevel(level)
+    return cpp_extension
+
+
 def _cxx_std() -> str:
     """The C++ standard torch's extension builder asks for (c++20 from torch 2.10 on, else c++17)."""
     import inspect
 
-    from torch.utils import cpp_extension
-
+    cpp_extension = _cpp_extension()
     try:
         src = inspect.getsource(cpp_extension)
     except (OSError, TypeError):
@@ -127,8 +146,8 @@ def config() -> BuildConfig:
     import jax
     import jaxlib
     import torch
-    from torch.utils import cpp_extension
 
+    cpp_extension = _cpp_extension()
     compiler = os.environ.get("CXX") or "c++"
     # Python's headers: the handler clears a Python error torch's autograd engine leaves set
     includes = [*cpp_extension.include_paths(), jax.ffi.include_dir(), sysconfig.get_paths()["include"]]

@@ -25,6 +25,7 @@
 
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -481,8 +482,8 @@ void clear_pending_python_error() {
   PyGILState_Release(st);
 }
 
-ffi::Error guarded(int64_t plan_id, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device,
-                   void* stream) {
+ffi::Error guarded_call(int64_t plan_id, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device,
+                        void* stream) {
   const Plan* plan = find_plan(plan_id);
   if (plan == nullptr) {
     return ffi::Error::Internal(
@@ -516,6 +517,22 @@ ffi::Error guarded(int64_t plan_id, ffi::RemainingArgs args, ffi::RemainingRets 
                                           "formula on the saved inputs): "
                                         : "call: ") +
                         msg);
+}
+
+// guarded_call, and a failure also written to stderr at once: when the program has collectives, the
+// other devices wait for this one in a rendezvous, and XLA may end the process at its timeout before
+// the returned error reaches Python, which would lose the op's message.
+ffi::Error guarded(int64_t plan_id, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device,
+                   void* stream) {
+  ffi::Error err = guarded_call(plan_id, args, rets, device, stream);
+  if (err.failure()) {
+    std::fprintf(stderr,
+                 "nvalchemi_jaxbridge: on device %s: %s\n(also raised as a JAX error; if other devices wait "
+                 "for this one in a collective, XLA may stop the process before that error reaches Python)\n",
+                 device.str().c_str(), err.message().c_str());
+    std::fflush(stderr);
+  }
+  return err;
 }
 
 ffi::Error call_cpu(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t plan) {
