@@ -174,7 +174,8 @@ def format_run(report: Any) -> str:
     lines = [
         "nvalchemi-jaxbridge run: report",
         f"  system       {r.system}: {r.n_atoms} atoms, {r.potential}",
-        f"  spec         {r.spec}  (op {r.op}, kernel {r.kernel})",
+        f"  spec         {r.spec}  (op {r.op}, kernel {r.kernel}"
+        + (f", {r.call_path} call path" if r.call_path != "-" else "") + ")",
         f"  devices      {r.n_devices} x {r.platform}, domain grid {r.grid}, {r.dtype}",
         f"  dynamics     {r.steps} steps of {r.dt:g} fs, {r.thermostat}",
         f"  time         {1e3 * r.time_per_step_s:.2f} ms/step (first step with compile: {r.compile_s:.1f} s; "

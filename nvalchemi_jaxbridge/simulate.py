@@ -281,6 +281,7 @@ class RunReport:
     late_rebuilds: tuple[int, ...]
     grown: tuple[str, ...]
     final_temperature: float
+    call_path: str = "-"  # how a torch kernel was called: "ffi" or "callback (<why>)"; "-" for a JAX kernel
 
     @property
     def load_imbalance(self) -> float:
@@ -486,7 +487,18 @@ def run(config: RunConfig, *, progress: Callable[[int], Any] | None = None) -> R
         owned_per_device=tuple(int(v) for v in plan.n_owned), ghosts_per_device=tuple(int(v) for v in plan.n_ghost),
         rebuilds=tuple(rebuilds), late_rebuilds=tuple(late), grown=tuple(dict.fromkeys(grown)),
         final_temperature=final_t,
+        call_path=_call_path(adapter.op),
     )
+
+
+def _call_path(op: Any) -> str:
+    """How the run's calls reached a torch kernel ("ffi" / "callback (<why>)"), or "-" for a JAX kernel."""
+    from .kernels import TorchOpKernel, resolve_kernel
+
+    kernel = resolve_kernel(op)
+    if not isinstance(kernel, TorchOpKernel):
+        return "-"
+    return "; ".join(kernel.paths_taken()) or "-"
 
 
 def _parity(cs: Any, state: Any, pot: Potential, sys_: Any, energy: float) -> tuple[float, float, float]:

@@ -467,6 +467,11 @@ class TorchOpKernel:
         """
         return self._prepare(args, kwargs)[0].bwd_path
 
+    def paths_taken(self) -> tuple[str, ...]:
+        """The distinct forward paths of the calls prepared so far, e.g. `("ffi",)` (for run reports)."""
+        with self._lock:
+            return tuple(dict.fromkeys(c.path for c in self._cache.values()))
+
     def _prepare(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[_Call, list[Any]]:
         """The (cached) compiled call for these arguments, and the arrays it takes."""
         values = self._bind(args, kwargs)

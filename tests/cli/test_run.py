@@ -94,6 +94,13 @@ def test_cli_run_torch_kernel_report(tmp_path, capsys):
         assert word in out
     r = json.loads(path.read_text())
     assert r["n_atoms"] == 4 * 27 and r["n_devices"] == 8 and r["kernel"] == "torch" and r["steps"] == 3
+    # the path the torch op's calls took, as TorchOpKernel reports it for the same call
+    from nvalchemi_jaxbridge.kernels import resolve_kernel
+    from nvalchemi_jaxbridge.kernels.ffi import target
+
+    ext, failed = target.loaded_or_failed()
+    assert r["call_path"] == ("ffi" if ext is not None else resolve_kernel(r["op"]).paths_taken()[0])
+    assert f"kernel torch, {r['call_path']} call path" in out
     assert r["parity_force_max_rel"] < 1e-10 and r["parity_energy_rel"] < 1e-10
     assert sum(r["owned_per_device"]) == 108 and len(r["owned_per_device"]) == 8
     assert r["owned_min"] == min(r["owned_per_device"]) and r["owned_max"] == max(r["owned_per_device"])
@@ -146,6 +153,7 @@ def test_run_reads_a_structure_file(tmp_path):
     ase.io.write(xyz, atoms)
     report = simulate.run(simulate.RunConfig(structure=str(xyz), devices=2, steps=2, kernel="jax"))
     assert report.n_atoms == 32 and report.parity_force_max_rel < 1e-10
+    assert report.call_path == "-"  # a JAX kernel has no torch call path
 
 
 def test_energy_drift_definition():
