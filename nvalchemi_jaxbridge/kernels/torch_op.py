@@ -586,9 +586,8 @@ class TorchOpKernel:
                     f"CUDA_HOME to a CUDA toolkit and delete {ext.path.parent} to rebuild it)"
                 )
             torch.cuda.init()  # here, on the Python thread, not first inside the handler on XLA's
-        overload = "" if self.op._overloadname == "default" else self.op._overloadname
         try:
-            plan = ext.register_plan(self.op._schema.name, overload, encoded, where=f"op {self.name}")
+            plan = self._register_plan(ext, encoded, f"op {self.name}")
         except KernelError as e:
             return no(str(e))
         n_ret = self._n_returns
@@ -612,15 +611,19 @@ class TorchOpKernel:
             call.statics, call.array_pos, call.mutated_pos, backward=plans.Backward(diff, outputs)
         )
         ext = target.load()  # loaded by the forward already
-        overload = "" if self.op._overloadname == "default" else self.op._overloadname
         try:
-            plan = ext.register_plan(self.op._schema.name, overload, encoded, where=f"the backward of op {self.name}")
+            plan = self._register_plan(ext, encoded, f"the backward of op {self.name}")
         except KernelError as e:
             if self._requested_path()[0] == "ffi":
                 raise
             return None, f"callback ({str(e).splitlines()[0]})"
         specs = tuple(jax.ShapeDtypeStruct(tuple(arrays[k].shape), arrays[k].dtype) for k in diff)
         return ext.call(plan, specs, {}), "ffi"
+
+    def _register_plan(self, ext: Any, encoded: str, where: str) -> int:
+        """The id of this op's plan `encoded` in the loaded FFI extension (KernelError if refused)."""
+        overload = "" if self.op._overloadname == "default" else self.op._overloadname
+        return ext.register_plan(self.op._schema.name, overload, encoded, where=where)
 
     def _encode_plan(self, statics, array_pos, mutated_pos, backward: Any = None) -> str:
         """The plan text of this call, or of its backward (raises plans.Ineligible with the reason).
@@ -861,7 +864,9 @@ class TorchOpKernel:
         selected = call.selected
         sel_inexact = tuple(j for j, s in enumerate(selected) if _is_inexact(call.result_specs[s].dtype))
         diff = tuple(k for k, d in enumerate(dtypes) if _is_inexact(d))
-        bwd_cb_body = self._backward_callback(call, dtypes, sel_inexact)
+        # the callback backward, one buffer_callback per shape of the saved arrays; the FFI
+        # backward (when the forward took the FFI path) has its result shapes fixed with the call
+        bwd_cb_body = None if bwd_ffi is not None else self._backward_callback(call, dtypes, sel_inexact)
         bwd_cache: dict[Any, Any] = {}
 
         def run_forward(*arrays: jax.Array) -> tuple[jax.Array, ...]:
@@ -880,13 +885,14 @@ class TorchOpKernel:
         def fn_bwd(saved: tuple[jax.Array, ...], cts: tuple[jax.Array, ...]):
             axes = frozenset().union(*(_vma(a) for a in saved)) if saved else frozenset()
             shapes = tuple(jax.ShapeDtypeStruct(saved[k].shape, saved[k].dtype) for k in diff)
-            key = tuple((s.shape, np.dtype(s.dtype).str) for s in shapes)
-            if bwd_ffi is not None:
-                bwd_cache.setdefault(key, bwd_ffi)  # the FFI backward's result shapes are fixed with the call
-            elif key not in bwd_cache:
-                bwd_cache[key] = buffer_callback(bwd_cb_body, shapes)
+            backward = bwd_ffi
+            if backward is None:
+                key = tuple((s.shape, np.dtype(s.dtype).str) for s in shapes)
+                backward = bwd_cache.get(key)
+                if backward is None:
+                    backward = bwd_cache[key] = buffer_callback(bwd_cb_body, shapes)
             ct_in = [cts[j] for j in sel_inexact]
-            grads = bwd_cache[key](*saved, *ct_in) if shapes else ()
+            grads = backward(*saved, *ct_in) if shapes else ()
             out: list[Any] = [None] * len(saved)
             for k, g in zip(diff, grads):
                 out[k] = _vary(g, axes)
