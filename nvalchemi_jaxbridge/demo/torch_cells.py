@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ._checks import check_scalars
 from .params import LJParams
-from .torch_ops import NAMESPACE, _check_inputs, _fake, _nonzero, _setup_lj
+from .torch_ops import NAMESPACE, _check_inputs, _fake, _nonzero, _setup_lj, lj_pair_terms
 
 _LJ = LJParams()
 _OP = "lj_energy_forces_cells"
@@ -162,12 +162,7 @@ def _chunk(ps: Tensor, own: Tensor, table: Tensor, valid: Tensor, a: int, b: int
     r2 = (d * d).sum(-1)
     inside = valid & (r2 <= cutoff * cutoff)  # the dense op's test, on the same r2
     w = torch.where(inside, 0.5 * (own[a:b, None] + own.take(table)), torch.zeros_like(r2))
-    r2 = torch.where(inside, r2, torch.ones_like(r2))
-    sr6_cut = (sigma / cutoff) ** 6
-    sr6 = (sigma * sigma / r2) ** 3
-    u = 4.0 * epsilon * (sr6 * sr6 - sr6 - (sr6_cut * sr6_cut - sr6_cut))
-    fscal = 24.0 * epsilon * (2.0 * sr6 * sr6 - sr6) / r2
-    return 0.5 * (w * u).sum(), ((w * fscal)[..., None] * d).sum(1)
+    return lj_pair_terms(d, torch.where(inside, r2, torch.ones_like(r2)), w, epsilon, sigma, cutoff)
 
 
 def _chunks(rows: int, longest: int, pair_slots: int | None, device: torch.device):

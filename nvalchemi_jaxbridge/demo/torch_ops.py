@@ -52,6 +52,16 @@ def _dense_pairs(positions: Tensor, owned_mask: Tensor, cutoff: float):
 def lj_torch(positions, owned_mask, epsilon, sigma, cutoff) -> tuple[Tensor, Tensor]:
     """Lennard-Jones block energy and forces in plain torch (see ``jax_potentials.lj_energy_forces``)."""
     d, r2, w = _dense_pairs(positions, owned_mask, cutoff)
+    return lj_pair_terms(d, r2, w, epsilon, sigma, cutoff)
+
+
+def lj_pair_terms(d: Tensor, r2: Tensor, w: Tensor, epsilon: float, sigma: float, cutoff: float
+                  ) -> tuple[Tensor, Tensor]:
+    """(energy, forces) of LJ pairs `(..., K)`: separations `d (..., K, 3)`, safe `r2`, weights `w` (0 = no pair).
+
+    The shifted pair energy and force of every LJ op in plain torch (dense pair
+    matrices here, neighbour tables in ``torch_cells``); forces are summed over the last pair axis.
+    """
     sr6_cut = (sigma / cutoff) ** 6
     sr6 = (sigma * sigma / r2) ** 3
     u = 4.0 * epsilon * (sr6 * sr6 - sr6 - (sr6_cut * sr6_cut - sr6_cut))
