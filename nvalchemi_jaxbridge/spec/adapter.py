@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .errors import SpecError, SpecTypeError, jpath, type_name, unknown
-from .frozen import FrozenDict
+from .frozen import FrozenDict, KeyedEquality
 from .op_ref import normalize_op, op_key, op_qualname, op_target, resolve_op
 from .status import AdapterState, AdapterStatus, capture_install_site
 from .transforms import (
@@ -138,7 +138,7 @@ def _apply_roles(
 
 
 @dataclasses.dataclass(frozen=True, init=False, eq=False)
-class OpAdapter:
+class OpAdapter(KeyedEquality):
     """Declare the cross-rank roles of a torch custom op's arguments and outputs.
 
     Args:
@@ -214,14 +214,6 @@ class OpAdapter:
 
     def _key(self) -> tuple[Any, ...]:
         return (op_key(self.op), self.arg_transforms, self.output_transforms)
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        return self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
 
     def __copy__(self) -> OpAdapter:
         return self  # immutable

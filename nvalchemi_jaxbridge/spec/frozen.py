@@ -67,3 +67,24 @@ def thaw_json(x: Any) -> Any:
     if isinstance(x, list | tuple):
         return [thaw_json(v) for v in x]
     return x
+
+
+class KeyedEquality:
+    """Equality and hash by `_key()`, for declarations of one exact type (a subclass sets `_key`).
+
+    Mixed into the adapter dataclasses (declared with `eq=False`, so dataclasses
+    does not replace these two methods).
+    """
+
+    __slots__ = ()
+
+    def _key(self) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from .errors import SpecError, SpecTypeError, jpath, type_name, unknown
+from .frozen import KeyedEquality
 from .status import AdapterState, AdapterStatus, capture_install_site
 
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -110,7 +111,7 @@ def _marshaller() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return make_marshaller
 
 
-class _Helper:
+class _Helper(KeyedEquality):
     """Shared behaviour of third-party adapters (equality by JSON identity, describe)."""
 
     kind: ClassVar[str]
@@ -133,14 +134,6 @@ class _Helper:
             for f in dataclasses.fields(self)
             if f.compare
         )
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        return self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
 
 
 def _check_keys(d: Any, kind: str, allowed: tuple[str, ...], required: tuple[str, ...], where: str) -> None:
