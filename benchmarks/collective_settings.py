@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {list(VARIANTS)}")
     p.add_argument("--iters", type=int, default=None, help="timed calls per point (default 20, smoke 3)")
     p.add_argument("--loop", type=int, default=50, help="exchanges per program in the looped measurement")
-    p.add_argument("--child", default=None, help=argparse_hidden())
+    p.add_argument("--child", default=None, help="internal: run one variant in this process")
     p.add_argument("--timeout-s", type=float, default=240.0, help="limit per variant")
     a = p.parse_args(argv)
     from halo_exchange import _sizes
@@ -149,11 +149,6 @@ def main(argv: list[str] | None = None) -> int:
             if r["checksum"] != b["checksum"]:
                 rep.failures.append(f"{n}: rows differ from default at {cm.human_bytes(s)}")
     return rep.finish()
-
-
-def argparse_hidden() -> str:
-    """Help text of the internal --child flag."""
-    return "internal: run one variant in this process"
 
 
 if __name__ == "__main__":
