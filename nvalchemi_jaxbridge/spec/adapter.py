@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .errors import SpecError, SpecTypeError, jpath, type_name, unknown
-from .frozen import FrozenDict, KeyedEquality
+from .frozen import FrozenDict, _KeyedEquality
 from .op_ref import normalize_op, op_key, op_qualname, op_target, resolve_op
 from .status import AdapterState, AdapterStatus, capture_install_site
 from .transforms import (
@@ -138,7 +138,7 @@ def _apply_roles(
 
 
 @dataclasses.dataclass(frozen=True, init=False, eq=False)
-class OpAdapter(KeyedEquality):
+class OpAdapter(_KeyedEquality):
     """Declare the cross-rank roles of a torch custom op's arguments and outputs.
 
     Args:

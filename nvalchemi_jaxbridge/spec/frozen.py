@@ -69,7 +69,7 @@ def thaw_json(x: Any) -> Any:
     return x
 
 
-class KeyedEquality:
+class _KeyedEquality:
     """Equality and hash by `_key()`, for declarations of one exact type (a subclass sets `_key`).
 
     Mixed into the adapter dataclasses (declared with `eq=False`, so dataclasses

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from .errors import SpecError, SpecTypeError, jpath, type_name, unknown
-from .frozen import KeyedEquality
+from .frozen import _KeyedEquality
 from .status import AdapterState, AdapterStatus, capture_install_site
 
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -111,7 +111,7 @@ def _marshaller() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return make_marshaller
 
 
-class _Helper(KeyedEquality):
+class _Helper(_KeyedEquality):
     """Shared behaviour of third-party adapters (equality by JSON identity, describe)."""
 
     kind: ClassVar[str]
