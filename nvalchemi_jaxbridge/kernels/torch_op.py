@@ -665,7 +665,9 @@ class TorchOpKernel:
 
         _triton_interp.patch_interpreter()
         device = self._fake_device()
-        with FakeTensorMode():
+        # Real tensors an op closes over (a model stage's weights) are allowed: fake mode reads
+        # only their metadata.
+        with FakeTensorMode(allow_non_fake_inputs=True):
             leaves, vals = [], list(statics)
             for i, a in zip(array_pos, arrays):
                 where = f"argument {self._params[i].name!r} of op {self.name}"
