@@ -8,6 +8,19 @@ from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _version
 
 from .spec import AdapterRegistry as AdapterRegistry
+from .spec import CompilePolicy as CompilePolicy
+from .spec import ForceStrategy as ForceStrategy
+from .spec import MLIPSpec as MLIPSpec
+from .spec import OutputKind as OutputKind
+from .spec import OutputSpec as OutputSpec
+from .spec import Reduce as Reduce
+from .spec import SPEC_DFTD3_HALO as SPEC_DFTD3_HALO
+from .spec import SPEC_EWALD_HALO as SPEC_EWALD_HALO
+from .spec import SPEC_LJ_HALO as SPEC_LJ_HALO
+from .spec import SPEC_MPNN_GP as SPEC_MPNN_GP
+from .spec import SPEC_MPNN_HALO as SPEC_MPNN_HALO
+from .spec import SPEC_PME_HALO as SPEC_PME_HALO
+from .spec import SPEC_UMA_HALO as SPEC_UMA_HALO
 from .spec import AdapterStatus as AdapterStatus
 from .spec import AllReduceSum as AllReduceSum
 from .spec import ArgTransform as ArgTransform

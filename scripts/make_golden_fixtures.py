@@ -207,6 +207,7 @@ def write_reference() -> None:
     )
     dump(GOLDEN / "v2_envelope.json", mlip.to_dict())
     dump(GOLDEN / "v2_default_envelope.json", MLIPSpec(distribution=DistributionSpec()).to_dict())
+    write_reference_models()
 
     # what the reference makes of the files our package wrote (step 1)
     outcomes = {}
@@ -224,6 +225,43 @@ def write_reference() -> None:
     dump(GOLDEN / "versions.json", {p: md.version(p) for p in ("nvalchemi-toolkit", "torch")}
          | {"python": sys.version.split()[0]})
     print(f"wrote {len(list(GOLDEN.glob('*.json')))} files to {GOLDEN}")
+
+
+def write_reference_models() -> None:
+    """The MACE specs (built from lazy names: mace and cueq need not be installed) and MLIPSpec facts.
+
+    v2_mace_cueq.json / v2_mace.json: the specs MACEWrapper.distribution_spec() starts from, for a
+    cueq-converted and a plain MACE model. mlip_reference_behaviour.json: every preset's JSON, the
+    default CompilePolicy, the lowering of an `unknown`-kind output, and whether the reference reloads
+    each MACE file.
+    """
+    import warnings
+
+    from nvalchemi.distributed import spec as ref_spec
+    from nvalchemi.distributed._core.spec import DistributionSpec
+    from nvalchemi.distributed.spec import CompilePolicy, MLIPSpec, OutputKind, OutputSpec, Reduce
+    from nvalchemi.models import mace
+
+    models = {"v2_mace_cueq.json": mace._mace_cueq_spec(), "v2_mace.json": mace._mace_scripted_spec()}
+    reload = {}
+    for name, spec in models.items():
+        dump(GOLDEN / name, spec.to_dict())
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                MLIPSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+            reload[name] = None
+        except Exception as e:  # the cueq one names ops that are not registered here
+            reload[name] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    presets = sorted(n for n in dir(ref_spec) if n.startswith("SPEC_"))
+    unknown_kind = MLIPSpec(distribution=DistributionSpec(), outputs={
+        "energy": OutputSpec(OutputKind.PER_GRAPH), "charges": OutputSpec(OutputKind.UNKNOWN, Reduce.ALL_REDUCE)})
+    dump(GOLDEN / "mlip_reference_behaviour.json", {
+        "presets": {n: getattr(ref_spec, n).to_dict() for n in presets},
+        "compile_policy_default": MLIPSpec(distribution=DistributionSpec(), compile=CompilePolicy()).to_dict()["compile"],
+        "outputs_unknown_kind": unknown_kind.to_dict(),
+        "reload_error": reload,
+    })
 
 
 if __name__ == "__main__":

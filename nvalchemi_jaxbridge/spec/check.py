@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -12,13 +13,14 @@ from .distribution import _KEYS as _CORE_KEYS
 from .distribution import DistributionSpec
 from .errors import SpecError, jpath, type_name, unknown
 from .files import ENVELOPE_DEFAULTS, read_json, split_envelope
+from .mlip import ForceStrategy, MLIPSpec, OutputKind
 from .op_ref import parse_op_name
 from .policies import HaloStoragePolicy, PlainShard, policy_from_dict
 from .third_party import adapter_from_dict
 from .transforms import arg_transform_from_dict, output_transform_from_dict
 
-OUTPUT_KINDS = ("per_node", "per_graph", "global", "unknown")
-FORCE_STRATEGIES = ("model_internal", "framework_from_node_energy", "framework_from_global_energy")
+OUTPUT_KINDS = tuple(k.value for k in OutputKind)
+FORCE_STRATEGIES = tuple(s.value for s in ForceStrategy)
 _HALO_ONLY = {"gather_inputs", "slice_owned", "scatter_outputs", "all_reduce_sum"}
 _SHARD_ONLY = {"gather_inputs_full", "slice_outputs_owned"}
 
@@ -57,7 +59,9 @@ def check_spec_file(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) ->
 
     Unlike `load_spec`, which stops at the first error, this keeps going: one bad
     transform does not hide a bad policy. It also reports what loads but would fail
-    or be lost later: transforms for the other storage kind, unknown envelope keys.
+    or be lost later: transforms for the other storage kind, unknown envelope keys, and
+    envelope values that `SpecFile.mlip` / `MLIPSpec.from_dict` refuse (an output both
+    owned-only and all-reduced, a name listed twice, an empty compile policy).
 
     Example:
         >>> bad = {"policy": {"kind": "halo"}, "custom_ops": [
@@ -159,25 +163,50 @@ def _check_helper(c: _Collector, d: Any, where: str, policy: Any) -> None:
     c.attempt(where, lambda: adapter_from_dict(d, where=where, install_site=where))
 
 
-def _is_str_list(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+def _check_names(c: _Collector, v: Any, path: str) -> list[str]:
+    """A list of output names: each entry non-empty and listed once. Returns the valid names."""
+    if not isinstance(v, list):
+        c.add(path, f"must be a list of output names, got {v!r}.")
+        return []
+    names: list[str] = []
+    for i, name in enumerate(v):
+        if not isinstance(name, str) or not name:
+            c.add(jpath(path, i), f"output names must be non-empty strings, got {name!r}.")
+        elif name in names:
+            c.add(jpath(path, i), f"{name!r} is listed twice; list each output once.")
+        else:
+            names.append(name)
+    return names
 
 
 def _check_envelope(c: _Collector, extras: Mapping[str, Any]) -> None:
+    n_before = len(c.problems)
+    lists: dict[str, list[str]] = {}
     for key, v in extras.items():
         path = jpath("$", key)
         if key not in ENVELOPE_DEFAULTS:
             c.add(path, unknown("envelope key", key, ENVELOPE_DEFAULTS) + "; nvalchemi-toolkit would ignore it.")
         elif key in ("system_reductions", "gp_replicate_geometry") and not isinstance(v, bool):
             c.add(path, f"must be true or false, got {v!r}.")
-        elif key in ("node_energy_key", "node_virial_key") and not (v is None or isinstance(v, str)):
-            c.add(path, f"must be a string or null, got {v!r}.")
-        elif key in ("owned_only_outputs", "all_reduce_outputs") and not _is_str_list(v):
-            c.add(path, f"must be a list of output names, got {v!r}.")
+        elif key in ("node_energy_key", "node_virial_key") and not (v is None or isinstance(v, str) and v):
+            c.add(path, f"must be a non-empty string or null, got {v!r}.")
+        elif key in ("owned_only_outputs", "all_reduce_outputs"):
+            lists[key] = _check_names(c, v, path)
         elif key == "output_kinds":
             _check_output_kinds(c, v, path)
         elif key == "compile":
             _check_compile(c, v, path)
+    owned = lists.get("owned_only_outputs", [])
+    for i, name in enumerate(extras.get("all_reduce_outputs", []) if "all_reduce_outputs" in lists else []):
+        if name in owned:
+            c.add(jpath(jpath("$", "all_reduce_outputs"), i),
+                  f"{name!r} is also in owned_only_outputs; an output is either already correct on its owner's "
+                  "rows (owned_only) or a per-rank partial summed over ranks (all_reduce). Remove it from one.")
+    if len(c.problems) == n_before:  # anything the piecewise checks cannot see
+        known = {k: v for k, v in extras.items() if k in ENVELOPE_DEFAULTS}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            c.attempt("$", lambda: MLIPSpec._from_envelope(DistributionSpec(), known, "$"))
 
 
 def _check_output_kinds(c: _Collector, v: Any, path: str) -> None:
@@ -188,6 +217,10 @@ def _check_output_kinds(c: _Collector, v: Any, path: str) -> None:
         for i, p in enumerate(v):
             if not (isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)):
                 c.add(jpath(path, i), f'must be a pair ["<output>", "<kind>"], got {p!r}.')
+            elif not p[0]:
+                c.add(jpath(jpath(path, i), 0), "output names must be non-empty strings, got ''.")
+            elif any(p[0] == q[1] for q in pairs):
+                c.add(jpath(jpath(path, i), 0), f"output {p[0]!r} is declared twice; give each output one kind.")
             else:
                 pairs.append((jpath(jpath(path, i), 1), p[0], p[1]))
     else:
@@ -204,13 +237,18 @@ def _check_compile(c: _Collector, v: Any, path: str) -> None:
     if not isinstance(v, Mapping):
         c.add(path, f"must be null or an object, got {type_name(v)}.")
         return
+    if not v:
+        c.add(path, "an empty compile policy {} declares nothing; write null for no policy.")
+        return
     allowed = ("static_shapes", "force_strategy", "stress_via_strain")
     for key in v:
-        if key not in allowed:
+        if key == "graph_padder":
+            c.add(jpath(path, key), "graph_padder is dropped on load (nvalchemi-toolkit never writes it); remove it.")
+        elif key not in allowed:
             c.add(jpath(path, key), unknown("compile key", key, allowed) + ".")
         elif key != "force_strategy" and not isinstance(v[key], bool):
             c.add(jpath(path, key), f"must be true or false, got {v[key]!r}.")
-    if v and "force_strategy" not in v:
+    if "force_strategy" not in v:
         c.add(path, f'missing "force_strategy"; one of {list(FORCE_STRATEGIES)}.')
-    elif "force_strategy" in v and v["force_strategy"] not in FORCE_STRATEGIES:
+    elif v["force_strategy"] not in FORCE_STRATEGIES:
         c.add(jpath(path, "force_strategy"), unknown("force strategy", v["force_strategy"], FORCE_STRATEGIES) + ".")

@@ -2,7 +2,8 @@
 
 Envelope keys other than `version` and `core` (system_reductions, output_kinds,
 compile, ...) belong to the model-level spec; they are kept verbatim so a file
-writes back exactly as it was read. Loading imports neither jax nor torch.
+writes back exactly as it was read, and `SpecFile.mlip` decodes (and validates) them
+as an `MLIPSpec`. Loading imports neither jax nor torch.
 """
 
 from __future__ import annotations
@@ -54,6 +55,17 @@ class SpecFile:
             if clash := sorted({"version", "core"} & set(self.envelope)):
                 raise SpecError(f"SpecFile.envelope must not contain {clash}; they are written from the spec.")
             object.__setattr__(self, "envelope", freeze_json(self.envelope))
+
+    @property
+    def mlip(self) -> Any:
+        """The file as an MLIPSpec: the envelope decoded and validated, or a bare file with the default envelope.
+
+        Raises:
+            SpecError: an envelope key is unknown or holds a bad value (the message gives its JSON path).
+        """
+        from .mlip import MLIPSpec
+
+        return MLIPSpec.from_spec_file(self)
 
     @property
     def version(self) -> int | None:
@@ -132,7 +144,7 @@ def load_spec(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> SpecF
 
     Returns:
         a SpecFile; `.distribution` is the DistributionSpec, `.envelope` the other v2
-        keys (None for a bare file).
+        keys (None for a bare file), `.mlip` the whole file as an MLIPSpec.
 
     Raises:
         SpecError: invalid JSON, an unsupported version, or an invalid spec (the
@@ -159,12 +171,14 @@ def load_spec(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> SpecF
     return SpecFile(spec, None if extras is None else FrozenDict(extras))
 
 
-def save_spec(spec: SpecFile | DistributionSpec, path: str | os.PathLike[str]) -> None:
-    """Write a spec file as indented JSON (a DistributionSpec is written bare)."""
+def save_spec(spec: Any, path: str | os.PathLike[str]) -> None:
+    """Write a spec file as indented JSON: a SpecFile, an MLIPSpec (version 2) or a DistributionSpec (bare)."""
+    from .mlip import MLIPSpec
+
     if isinstance(spec, DistributionSpec):
         spec = SpecFile(spec)
-    if not isinstance(spec, SpecFile):
-        raise SpecTypeError(f"save_spec expects a SpecFile or DistributionSpec, got {type_name(spec)}.")
+    if not isinstance(spec, SpecFile | MLIPSpec):
+        raise SpecTypeError(f"save_spec expects a SpecFile, MLIPSpec or DistributionSpec, got {type_name(spec)}.")
     text = json.dumps(spec.to_dict(), indent=2)
     with open(path, "w", encoding="utf-8") as f:
         f.write(text + "\n")
