@@ -667,7 +667,10 @@ class TorchOpKernel:
         device = self._fake_device()
         # Real tensors an op closes over (a model stage's weights) are allowed: fake mode reads
         # only their metadata.
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        # TorchScript's profiling executor guards its specialised graphs with value checks
+        # (aten::equal) that fake tensors cannot answer (e3nn's compiled tensor products, once
+        # they have run for real); the unoptimised interpreter computes the same shapes.
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.jit.optimized_execution(False):
             leaves, vals = [], list(statics)
             for i, a in zip(array_pos, arrays):
                 where = f"argument {self._params[i].name!r} of op {self.name}"
