@@ -13,10 +13,11 @@ gloo on the CPU) from the same plan's tables, and its result is checked against
 the front door's. Per-call wall time (synchronize after each call), median per
 rank; the table shows the slower rank.
 
-Three front-door paths, set by the private switches of `functions` in the same
-run: the host sync after every program (the first DLPack-race fix), the
-stream-ordered release with every piece rebuilt per call (before issue 7), and
-the stream-ordered release on the fast path (cached steps, sharding, zero blocks).
+The front door runs its one path: the stream-ordered release with cached steps,
+sharding and zero blocks. The before/after figures of the paths it replaced (a
+host sync after every program, the first DLPack-race fix; every piece rebuilt
+per call, before issue 7) are in benchmarks/RESULTS.md, and the code in git
+history; they are no longer switches in the library.
 
 The breakdown table (issue 7) splits one GatherInputs transform of the same plan
 into its parts, each timed alone in interleaved rounds: a trivial jitted program
@@ -27,12 +28,11 @@ transform, and one `all_to_all_single` of the same bytes.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import _common as cm
@@ -42,14 +42,8 @@ CELLS = [8, 16, 24]
 SMOKE_CELLS = [2]
 FEATURES = 3
 CHAIN = 10
-# name -> (functions._HOST_SYNC, functions._FAST_PATH)
-PATHS = {
-    "front door: host sync, rebuilt per call (first fix)": (True, False),
-    "front door: stream-ordered, rebuilt per call (before issue 7)": (False, False),
-    "front door: stream-ordered, fast path (after issue 7)": (False, True),
-}
-BEFORE, AFTER = list(PATHS)[1:]
-# Breakdown steps: key -> label; keys in FAST_STEPS run on both values of _FAST_PATH.
+FRONT_DOOR = "front door (stream-ordered, cached steps)"
+# Breakdown steps: key -> label.
 STEPS = {
     "i": "(i) trivial program x + 1, no collective (pre-built global array)",
     "ii": "(ii) bare ppermute of the same rows (pre-built global array)",
@@ -61,7 +55,6 @@ STEPS = {
     "vi": "(vi) whole GatherInputs transform (halo_from_owned)",
     "vii": "(vii) all_to_all_single of the same bytes",
 }
-FAST_STEPS = ("iii", "iii+", "iv", "v", "vi")
 
 
 def _launch(argv: list[str], timeout_s: float) -> int:
@@ -181,11 +174,10 @@ def rank_main(a) -> int:
         settings = {"processes": f"{world} (one device each), launched by nvalchemi_jaxbridge.torch.launch",
                     "features": f"{FEATURES} x float32 per atom", "plan": f"argon fcc, cutoff {LJParams().cutoff} A",
                     "timing": (f"median of {iters} calls after {warmup} warm-up, wall + synchronize after each; "
-                               f"chain: {CHAIN} calls, one synchronize, time / {CHAIN}; the paths alternate in two "
-                               "rounds; slower rank shown"),
-                    "paths": "host sync = functions._HOST_SYNC on (a host wait per JAX program); "
-                             "stream-ordered = off (event waits only); rebuilt per call = functions._FAST_PATH "
-                             "off (the code before issue 7); fast path = on",
+                               f"chain: {CHAIN} calls, one synchronize, time / {CHAIN}; front door and reference "
+                               "alternate in two rounds; slower rank shown"),
+                    "paths": "the front door's one path (stream-ordered, cached steps); the earlier paths' figures "
+                             "are in benchmarks/RESULTS.md",
                     "breakdown": (f"GatherInputs of the same plan, {iters} calls per step after {warmup} warm-up, "
                                   f"in {_rounds(a.smoke)} interleaved rounds; sync each: every call followed by "
                                   "block_until_ready / torch.cuda.synchronize; chain: {CHAIN} calls, one sync, "
@@ -200,7 +192,7 @@ def rank_main(a) -> int:
                           "per call, sync each (us)", f"per call, chain of {CHAIN} (us)", "/ all_to_all_single",
                           "same result"])
         bd_rows = rep.table("Breakdown of one GatherInputs transform (issue 7)",
-                            ["atoms", "owned rows per rank of capacity / halo rows", "step", "path",
+                            ["atoms", "owned rows per rank of capacity / halo rows", "step",
                              "sync each (us), slower rank", "sync each, per rank (us)",
                              f"chain of {CHAIN}, per call (us)", "/ (vii) all_to_all_single"])
     _lib, op = _identity_op()
@@ -218,23 +210,21 @@ def rank_main(a) -> int:
             ref = lambda: ex.forward(ex.reverse(ex.forward(owned).clone()))  # noqa: E731
             n_pad = int(plan.n_owned[rank] + plan.n_ghost[rank])
             want = ref()[:n_pad]
-            times: dict[str, list[float]] = {name: [] for name in [*PATHS, "all_to_all_single"]}
+            times: dict[str, list[float]] = {name: [] for name in [FRONT_DOOR, "all_to_all_single"]}
             chained: dict[str, list[float]] = {name: [] for name in times}
             same: dict[str, bool] = {}
             with installed(adapter):
                 fd = lambda: op(x)  # noqa: E731
-                for rnd in range(2):  # alternate the paths so that drift hits both alike
-                    for name, sync_on in [*PATHS.items(), ("all_to_all_single", None)]:
-                        call = ref if sync_on is None else fd
-                        with _switches(sync_on):
-                            n = iters // 2 if rnd == 0 else iters - iters // 2
-                            times[name] += cm.time_calls(call, warmup=warmup, iters=n, sync=sync)
-                            chained[name] += [t / CHAIN for t in cm.time_calls(
-                                _chain(call, CHAIN), warmup=1, iters=max(n // CHAIN, 2), sync=sync)]
-                            if rnd == 0:
-                                got = call()
-                                got = got.to_local() if sync_on is not None else got
-                                same[name] = bool(torch.allclose(got[:n_pad].float(), want, rtol=1e-5, atol=1e-5))
+                for rnd in range(2):  # alternate front door and reference so that drift hits both alike
+                    for name, call in ((FRONT_DOOR, fd), ("all_to_all_single", ref)):
+                        n = iters // 2 if rnd == 0 else iters - iters // 2
+                        times[name] += cm.time_calls(call, warmup=warmup, iters=n, sync=sync)
+                        chained[name] += [t / CHAIN for t in cm.time_calls(
+                            _chain(call, CHAIN), warmup=1, iters=max(n // CHAIN, 2), sync=sync)]
+                        if rnd == 0:
+                            got = call()
+                            got = got.to_local() if name == FRONT_DOOR else got
+                            same[name] = bool(torch.allclose(got[:n_pad].float(), want, rtol=1e-5, atol=1e-5))
             stats = [None] * world
             mine = {k: (cm.med(times[k]), cm.med(chained[k]), same[k]) for k in times}
             dist.all_gather_object(stats, (mine, len(ex.send)))
@@ -251,11 +241,6 @@ def rank_main(a) -> int:
                     if not ok:
                         rep.note(f"{s.n_atoms} atoms: {name} and the all_to_all reference disagree.")
                         failures += 1
-                med = {k: (max(r[0][k][0] for r in stats), max(r[0][k][1] for r in stats)) for k in PATHS}
-                (first, before, after) = (med[k] for k in PATHS)
-                rep.note(f"{s.n_atoms} atoms: stream-ordered / host sync = {before[0] / first[0]:.2f} (sync each), "
-                         f"{before[1] / first[1]:.2f} (chain of {CHAIN}); fast path / rebuilt per call = "
-                         f"{after[0] / before[0]:.2f} (sync each), {after[1] / before[1]:.2f} (chain of {CHAIN}).")
             bd, frames = _breakdown(F.context_for(plan), owned, ex, dev, iters=iters, warmup=warmup,
                                     rounds=_rounds(a.smoke))
             bd_stats = [None] * world
@@ -289,8 +274,8 @@ def _breakdown(ctx, owned, ex, dev, *, iters: int, warmup: int, rounds: int
     """Per-call seconds of each breakdown step on this rank, and jit's Python frames per program call.
 
     `owned` is this rank's owned storage (owned-capacity rows); the transform reads
-    its first `n_owned` rows, as the installed op path does. Keys: (step, path),
-    path "" for steps that do not depend on `_FAST_PATH`.
+    its first `n_owned` rows, as the installed op path does. Keys: (step, mode),
+    mode "each" (synchronize after every call) or "chain".
     """
     import jax
     import torch
@@ -300,7 +285,7 @@ def _breakdown(ctx, owned, ex, dev, *, iters: int, warmup: int, rounds: int
 
     oc, axis, n_dev = ctx.owned_capacity, ctx.axis, ctx.n_devices
     own_n = owned[: ctx.n_owned].contiguous()
-    block = F._pad(own_n, oc)
+    block = F._pad(own_n, oc, ctx.memo)
     g, _imported = F._to_global(ctx, block, "breakdown block")  # kept alive with `block`
     smap = lambda f: jax.jit(jax.shard_map(f, mesh=ctx.mesh, in_specs=P(axis), out_specs=P(axis)))  # noqa: E731
     trivial = smap(lambda x: x + 1)
@@ -324,23 +309,19 @@ def _breakdown(ctx, owned, ex, dev, *, iters: int, warmup: int, rounds: int
         "iii": (lambda: F._to_global(ctx, block, "breakdown block")[0], jax_sync),
         "iii+": (lambda: prog.fwd(F._to_global(ctx, block, "breakdown block")[0], ctx.tables), jax_sync),
         "iv": (lambda: F._local_out(out, "breakdown output"), lambda _: torch_sync()),
-        "v": (lambda: F._pad(own_n, oc, ctx.memo if F._FAST_PATH else None), lambda _: torch_sync()),
+        "v": (lambda: F._pad(own_n, oc, ctx.memo), lambda _: torch_sync()),
         "vi": (lambda: F.halo_from_owned(ctx, own_n, positions=False), lambda _: torch_sync()),
         "vii": (lambda: ex._a2a(send, len(ex.recv), ex.send_split, ex.recv_split), lambda _: torch_sync()),
     }
-    plan = [(k, p) for k in STEPS for p in ((BEFORE, AFTER) if k in FAST_STEPS else ("",))]
-    times: dict[tuple[str, str, str], list[float]] = {(k, p, m): [] for k, p in plan for m in ("each", "chain")}
+    times: dict[tuple[str, str], list[float]] = {(k, m): [] for k in STEPS for m in ("each", "chain")}
     per_round = max(iters // rounds, 1)
     for rnd in range(rounds):
-        for key, path in plan:
+        for key in STEPS:
             fn, sync = calls[key]
-            with _switches(PATHS.get(path)):
-                times[(key, path, "each")] += cm.time_calls(fn, warmup=warmup if rnd == 0 else 1, iters=per_round,
-                                                            sync=sync)
-                times[(key, path, "chain")] += [t / CHAIN for t in cm.time_calls(
-                    _chain(fn, CHAIN), warmup=0, iters=max(per_round // CHAIN, 1), sync=sync)]
-    with _switches(PATHS[AFTER]):
-        frames = {k: _jit_python_frames(calls[k][0]) for k in ("i", "ii", "ii+", "vi")}
+            times[(key, "each")] += cm.time_calls(fn, warmup=warmup if rnd == 0 else 1, iters=per_round, sync=sync)
+            times[(key, "chain")] += [t / CHAIN for t in cm.time_calls(
+                _chain(fn, CHAIN), warmup=0, iters=max(per_round // CHAIN, 1), sync=sync)]
+    frames = {k: _jit_python_frames(calls[k][0]) for k in ("i", "ii", "ii+", "vi")}
     torch_sync()
     return times, frames
 
@@ -366,45 +347,26 @@ def _jit_python_frames(fn: Callable[[], Any]) -> int:
 def _breakdown_rows(rep, rows, atoms: int, layout: str, stats: list) -> None:
     """Rows of the breakdown table (slower rank per step) and its notes."""
     world = len(stats)
-    keys = list(dict.fromkeys((k, p) for k, p, _ in stats[0][0]))
     slow = {k: max(r[0][k] for r in stats) for k in stats[0][0]}
-    base = slow[("vii", "", "each")]
-    for key, path in keys:
-        label = {BEFORE: "rebuilt per call (before)", AFTER: "fast path (after)"}.get(path, "-")
-        per_rank = " / ".join(cm.us(r[0][(key, path, "each")]) for r in stats)
-        t = slow[(key, path, "each")]
-        rep.row(rows, [atoms, layout, STEPS[key], label, cm.us(t), per_rank, cm.us(slow[(key, path, "chain")]),
-                       f"{t / base:.2f}"])
+    base = slow[("vii", "each")]
+    for key in STEPS:
+        per_rank = " / ".join(cm.us(r[0][(key, "each")]) for r in stats)
+        t = slow[(key, "each")]
+        rep.row(rows, [atoms, layout, STEPS[key], cm.us(t), per_rank, cm.us(slow[(key, "chain")]), f"{t / base:.2f}"])
     derived = [("(vi) - (ii+): the front door around its program", ("vi",), ("ii+",)),
                ("(vi) - (ii): the transform above a bare exchange", ("vi",), ("ii",)),
                ("(iii) + (iv) + (v): import, export, pad", ("iii", "iv", "v"), ()),
                ("(iii+) - (iii) - (ii+): a fresh input's extra program cost", ("iii+",), ("iii", "ii+")),
                ("(vi) - (iii+) - (iv) - (v): autograd, step lookup, slicing", ("vi",), ("iii+", "iv", "v"))]
-    for path, label in ((BEFORE, "rebuilt per call (before)"), (AFTER, "fast path (after)")):
-        for name, plus, minus in derived:
-            def val(r: Any, mode: str, plus=plus, minus=minus) -> float:
-                return (sum(r[0][(k, path if k in FAST_STEPS else "", mode)] for k in plus)
-                        - sum(r[0][(k, path if k in FAST_STEPS else "", mode)] for k in minus))
+    for name, plus, minus in derived:
+        def val(r: Any, mode: str, plus=plus, minus=minus) -> float:
+            return sum(r[0][(k, mode)] for k in plus) - sum(r[0][(k, mode)] for k in minus)
 
-            each, chain = (max(val(r, m) for r in stats) for m in ("each", "chain"))
-            rep.row(rows, [atoms, layout, name, label, cm.us(each), "-", cm.us(chain), f"{each / base:.2f}"])
+        each, chain = (max(val(r, m) for r in stats) for m in ("each", "chain"))
+        rep.row(rows, [atoms, layout, name, cm.us(each), "-", cm.us(chain), f"{each / base:.2f}"])
     frames = " / ".join(", ".join(f"({k}) {n}" for k, n in r[1].items()) for r in stats)
     rep.note(f"{atoms} atoms: Python calls into jax/_src/pjit.py per call, rank 0..{world - 1} (0 = jit's C++ "
-             f"fast path; (vi) on the fast path): {frames}.")
-
-
-@contextlib.contextmanager
-def _switches(paths: tuple[bool, bool] | None) -> Iterator[None]:
-    """Set the front door's private (host sync, fast path) switches inside the block (None: leave them)."""
-    from nvalchemi_jaxbridge.torch import functions as F
-
-    old = F._HOST_SYNC, F._FAST_PATH
-    if paths is not None:
-        F._HOST_SYNC, F._FAST_PATH = paths
-    try:
-        yield
-    finally:
-        F._HOST_SYNC, F._FAST_PATH = old
+             f"fast path): {frames}.")
 
 
 def _chain(fn: Callable[[], Any], n: int) -> Callable[[], Any]:

@@ -49,6 +49,7 @@ from ..spec.transforms import (
     SliceOwned,
 )
 from . import collectives as C
+from . import exchange
 from .entries import _Entry, _find, _position_args, _resolve, _storage_kind, jax_kernel
 from .mesh import mesh_axis
 from .tables import HaloTables, ShardTables, Tables, device_tables, is_halo_plan, is_shard_plan, place
@@ -131,6 +132,34 @@ class CompiledSpec:
         if self.kind == "halo":
             return self.plan.from_owned(x)
         return self.plan.from_owned(x, pad_rows=pad_rows)
+
+    # ------------------------------------------------------------- exchanges (lower/exchange.py)
+
+    def refresh(self, x: Any) -> jax.Array:
+        """The policy's refresh of every device's block: ghost rows set to their owners' values.
+
+        Halo storage `(D * halo_rows, ...)` -> the same rows (identity for
+        `gather_mode="local"`); `GraphParallelPolicy`: sharded storage ->
+        `(D * (n_global + k), ...)`, each device's all-gathered block; `PlainShard`:
+        identity. Differentiable; callable inside `jax.jit` (see `exchange.refresh`).
+        """
+        return exchange.compiled_refresh(self, x)
+
+    def fold(self, x: Any) -> jax.Array:
+        """The policy's fold: ghost partials added into their owners, then refreshed (see `exchange.fold`)."""
+        return exchange.compiled_fold(self, x)
+
+    def owned_to_halo(self, x_owned: Any, positions: bool = False) -> jax.Array:
+        """Owned storage -> halo storage: the forward exchange (GatherInputs), whatever the policy's modes."""
+        return exchange.owned_to_halo(self, x_owned, positions)
+
+    def halo_to_owned(self, x_halo: Any) -> jax.Array:
+        """Halo storage -> owned storage: each device's first `owned_capacity` rows, padding zeroed."""
+        return exchange.halo_to_owned(self, x_halo)
+
+    def halo_to_global(self, x_halo: Any) -> np.ndarray:
+        """Halo storage -> per-atom numpy `(N, ...)` in global-ID order (every device's owned rows)."""
+        return exchange.halo_to_global(self, x_halo)
 
     def _need_halo(self, what: str) -> None:
         if self.kind != "halo":

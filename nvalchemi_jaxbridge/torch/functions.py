@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import os
 import types
 from collections.abc import Callable
 from typing import Any
@@ -40,20 +39,6 @@ from ..kernels.dlpack import jax_to_torch, torch_to_jax
 from ..lower import collectives as col
 from ..lower.mesh import make_mesh, mesh_axis
 from ..lower.tables import device_tables, is_halo_plan, is_shard_plan
-
-# Benchmark switch, read once at import (benchmarks/front_door.py flips the attribute
-# to time both paths in one run). "1" restores a host sync after every program on GPU,
-# the first fix of the DLPack race; the default is the stream-ordered path (`_call`).
-# Not a user setting: both paths give the same results.
-_HOST_SYNC = os.environ.get("JAXBRIDGE_FRONT_DOOR_HOST_SYNC", "0") == "1"
-
-# Benchmark switch of issue 7 (benchmarks/front_door.py times both in one run). True: a
-# transform reuses what does not change between calls (its `Step` with bound programs,
-# per plan context and block shape; the global array's sharding; zero padding blocks;
-# dtype lookups) and exports with `addressable_data(0)`. False: the code before issue 7,
-# which rebuilt all of these on every call. Not a user setting: both paths give the same
-# results and run the same programs in the same stream order.
-_FAST_PATH = True
 
 # The most recent plans' contexts (device tables included). Bounded, so an MD run that
 # rebuilds its plan every few steps does not keep every old plan's tables alive; an
@@ -118,7 +103,7 @@ class PlanContext:
 
     @functools.cached_property
     def memo(self) -> dict[tuple, Any]:
-        """Per-context cache of the fast path: steps by (transform, shape, dtype, flags), zero blocks."""
+        """Per-context cache: steps by (transform, shape, dtype, flags), zero padding blocks."""
         return {}
 
     def owned_ids(self) -> np.ndarray:
@@ -239,8 +224,7 @@ def _to_global(ctx: PlanContext, t: torch.Tensor, name: str) -> tuple[jax.Array,
     a = torch_to_jax(t.detach().contiguous(), name=name, copy=True)
     placed = a if a.sharding.device_set == {ctx.device} else jax.device_put(a, ctx.device)
     gshape = (ctx.n_devices * t.shape[0],) + tuple(t.shape[1:])
-    sharding = ctx.row_sharding if _FAST_PATH else NamedSharding(ctx.mesh, P(ctx.axis))
-    return jax.make_array_from_single_device_arrays(gshape, sharding, [placed]), a
+    return jax.make_array_from_single_device_arrays(gshape, ctx.row_sharding, [placed]), a
 
 
 def _call(ctx: PlanContext, program: Callable[[jax.Array], jax.Array], x: torch.Tensor, name: str
@@ -251,8 +235,6 @@ def _call(ctx: PlanContext, program: Callable[[jax.Array], jax.Array], x: torch.
     """
     g, imported = _to_global(ctx, x, name)
     out = program(g)
-    if _HOST_SYNC and not _on_cpu(out):
-        out.block_until_ready()  # the benchmark's "before": the first GPU fix, a host sync per program
     # Why no host sync is needed, and why the order of the next lines matters.
     #
     # JAX reads `x` in place: `imported` views torch's memory (DLPack, no copy)
@@ -296,43 +278,34 @@ def _call(ctx: PlanContext, program: Callable[[jax.Array], jax.Array], x: torch.
 
 def _local_out(out: jax.Array, name: str) -> torch.Tensor:
     """This rank's shard of a program's output as a torch tensor (DLPack, no copy)."""
-    return jax_to_torch(out.addressable_data(0) if _FAST_PATH else out.addressable_shards[0].data, name=name)
+    return jax_to_torch(out.addressable_data(0), name=name)
 
 
-def _on_cpu(a: jax.Array) -> bool:
-    """Whether `a` lives on CPU devices."""
-    return next(iter(a.sharding.device_set)).platform == "cpu"
-
-
-def _pad(t: torch.Tensor, rows: int, memo: dict[tuple, Any] | None = None) -> torch.Tensor:
+def _pad(t: torch.Tensor, rows: int, memo: dict[tuple, Any]) -> torch.Tensor:
     """`t` with zero rows appended up to `rows` (no copy when it already has them).
 
-    With `memo` (a context's cache, fast path) the zero rows come from a cached
-    block and one `torch.cat` makes the result (one kernel instead of fill + copy).
-    The block is marked as used on the current CUDA stream, so that freeing it
-    with its context waits for every stream that read it.
+    The zero rows come from a block cached in `memo` (a context's cache) and one
+    `torch.cat` makes the result (one kernel instead of fill + copy). The block
+    is marked as used on the current CUDA stream, so that freeing it with its
+    context waits for every stream that read it.
     """
     n = t.shape[0]
     if n == rows:
         return t
     if n > rows:
         raise ValueError(f"internal: block of {n} rows exceeds the capacity {rows}")
-    if memo is not None:
-        key = ("zeros", rows - n, tuple(t.shape[1:]), t.dtype, t.device)
-        zeros = memo.get(key)
-        if zeros is None:
-            zeros = memo[key] = t.new_zeros((rows - n,) + tuple(t.shape[1:]))
-        if t.is_cuda:
-            zeros.record_stream(torch.cuda.current_stream(t.device))
-        return torch.cat([t, zeros])
-    out = t.new_zeros((rows,) + tuple(t.shape[1:]))
-    out[:n] = t
-    return out
+    key = ("zeros", rows - n, tuple(t.shape[1:]), t.dtype, t.device)
+    zeros = memo.get(key)
+    if zeros is None:
+        zeros = memo[key] = t.new_zeros((rows - n,) + tuple(t.shape[1:]))
+    if t.is_cuda:
+        zeros.record_stream(torch.cuda.current_stream(t.device))
+    return torch.cat([t, zeros])
 
 
 def _padder(ctx: PlanContext) -> Callable[[torch.Tensor, int], torch.Tensor]:
-    """`_pad` for the current path (cached zero blocks on the fast path)."""
-    return functools.partial(_pad, memo=ctx.memo) if _FAST_PATH else _pad
+    """`_pad` with the context's cached zero blocks."""
+    return functools.partial(_pad, memo=ctx.memo)
 
 
 def _bind(ctx: PlanContext, prog: Program, *, adjoint: bool = False, tables: Any = None
@@ -356,9 +329,7 @@ def run(ctx: PlanContext, program: Callable[[jax.Array], jax.Array], x: torch.Te
 
 
 def _cached_step(ctx: PlanContext, key: tuple, build: Callable[[], Step]) -> Step:
-    """`build()`, kept in `ctx.memo` under `key` on the fast path (rebuilt per call otherwise)."""
-    if not _FAST_PATH:
-        return build()
+    """`build()`, kept in `ctx.memo` under `key` (built once per context, transform, shape and dtype)."""
     memo = ctx.memo
     step = memo.get(key)
     if step is None:
@@ -565,17 +536,104 @@ def gather_owned(ctx: PlanContext, owned: torch.Tensor) -> torch.Tensor:
     return apply(GatherOwnedFn, owned, gather_full_step(ctx, tuple(owned.shape), _jax_dtype(owned)))
 
 
+# ---- the storage policy's exchanges between layers (lower/exchange.py, torch side) ----
+
+
+def _policy_rows(ctx_or_plan: Any, block: torch.Tensor, policy: Any, fn: str) -> tuple[PlanContext, Any, str]:
+    """The context, the policy (the plan's default if None) and its kind, checked against the plan and block."""
+    from ..lower.exchange import _kind
+
+    ctx = context_for(ctx_or_plan)
+    policy = ctx.default_policy() if policy is None else policy
+    kind = _kind(policy, fn)
+    storage = "halo" if kind in ("halo", "refresh_halo") else "shard"
+    if storage != ctx.kind:
+        raise ValueError(
+            f"{fn}: the policy {policy!r} uses {storage} storage but the plan is a "
+            f"{'HaloPlan' if ctx.kind == 'halo' else 'ShardPlan'}; pass the policy of the spec the plan was built for."
+        )
+    rows = ctx.n_owned + ctx.n_ghost
+    if storage == "halo" and (block.ndim == 0 or block.shape[0] != rows):
+        raise ValueError(
+            f"{fn}: expected this rank's halo block of n_owned + n_ghost = {ctx.n_owned} + {ctx.n_ghost} = {rows} "
+            f"rows, got shape {tuple(block.shape)}; build it with ShardTensor.from_global(x, plan, layout='halo')."
+        )
+    if storage == "shard" and (block.ndim == 0 or block.shape[0] < ctx.n_owned):
+        raise ValueError(
+            f"{fn}: expected this rank's n_owned={ctx.n_owned} owned rows (then any pad rows), got shape "
+            f"{tuple(block.shape)}."
+        )
+    return ctx, policy, kind
+
+
+def refresh_halo(ctx_or_plan: Any, block: torch.Tensor, policy: Any = None) -> torch.Tensor:
+    """The policy's refresh of this rank's block: ghost rows replaced by their owners' current values.
+
+    Halo policies (`gather_mode="halo_read"`): `(n_owned + n_ghost, *F)` -> the same
+    rows, owned rows unchanged; backward sums the ghost rows' gradients into
+    their owners (the reverse exchange) and gives ghost rows zero.
+    `gather_mode="local"` and `PlainShard`: the block itself (off).
+    `GraphParallelPolicy`: `(n_owned + k, *F)` -> `(n_global + k, *F)`, every
+    rank's owned rows in global-id order, the `k` trailing pad rows kept.
+
+    Args:
+        ctx_or_plan: the `HaloPlan` / `ShardPlan` (or its `PlanContext`).
+        block: this rank's block (a plain tensor, or the data of a `ShardTensor`).
+        policy: the storage policy (optional, default the plan's: `HaloStoragePolicy()`
+            for a halo plan, `PlainShard()` for a shard plan).
+
+    Returns:
+        The refreshed block (differentiable, double backward included).
+
+    Raises:
+        ValueError: the policy's storage differs from the plan's, or the block has the wrong rows.
+    """
+    ctx, policy, kind = _policy_rows(ctx_or_plan, block, policy, "refresh_halo")
+    if kind in ("halo", "refresh_halo"):
+        if policy.gather_mode != "halo_read":
+            return block
+        return halo_from_owned(ctx, block[: ctx.n_owned], positions=False)
+    if kind == "graph_parallel":
+        full = gather_owned(ctx, block[: ctx.n_owned])
+        return full if block.shape[0] == ctx.n_owned else torch.cat([full, block[ctx.n_owned:]])
+    return block
+
+
+def fold_halo(ctx_or_plan: Any, block: torch.Tensor, policy: Any = None) -> torch.Tensor:
+    """The policy's fold (ScatterOutputs) of this rank's block: ghost partials added into owners, then refreshed.
+
+    `HaloStoragePolicy` (`scatter_mode="halo_correction"`): `(n_owned + n_ghost, *F)`
+    -> the same rows, every copy of an atom holding its total over all ranks;
+    self-adjoint. `scatter_mode="local"`, `RefreshOnlyHaloPolicy`,
+    `GraphParallelPolicy`, `PlainShard`: the block itself.
+
+    Args:
+        ctx_or_plan: the `HaloPlan` / `ShardPlan` (or its `PlanContext`).
+        block: this rank's block.
+        policy: the storage policy (optional, default the plan's, as in `refresh_halo`).
+
+    Returns:
+        The folded block (differentiable).
+
+    Raises:
+        ValueError: the policy's storage differs from the plan's, or the block has the wrong rows.
+    """
+    ctx, policy, kind = _policy_rows(ctx_or_plan, block, policy, "fold_halo")
+    if kind == "halo" and policy.scatter_mode == "halo_correction":
+        step = scatter_outputs_step(ctx, tuple(block.shape), _jax_dtype(block))
+        return apply(ScatterOutputsFn, block, step)
+    return block
+
+
 _JAX_DTYPES: dict[torch.dtype, Any] = {}
 
 
 def _jax_dtype(t: torch.Tensor) -> Any:
-    """The numpy dtype matching a torch tensor's dtype (looked up once per dtype on the fast path)."""
-    if _FAST_PATH:
-        hit = _JAX_DTYPES.get(t.dtype)
-        if hit is None:
-            hit = _JAX_DTYPES[t.dtype] = _numpy_dtype(t.dtype)
-        return hit
-    return _numpy_dtype(t.dtype)
+    """The numpy dtype matching a torch tensor's dtype (looked up once per dtype)."""
+    hit = _JAX_DTYPES.get(t.dtype)
+    if hit is None:
+        hit = _JAX_DTYPES[t.dtype] = _numpy_dtype(t.dtype)
+    return hit
 
 
 def _numpy_dtype(dtype: torch.dtype) -> Any:

@@ -7,11 +7,14 @@ Layouts (rows of the local block, for this rank of the plan):
   plus optional trailing pad rows (the "+1" row of the sharded convention);
 - `"replicated"`: the same value on every rank (an all-reduce result).
 
-Ordinary torch ops see a plain tensor. A result keeps the metadata of the first
-ShardTensor argument whose leading dimension it shares (elementwise math,
-row indexing that keeps all rows, `x[:, 0]`); a result whose leading dimension
-differs (`x.sum()`, `x[:3]`, `x.reshape(-1)`) is a plain `torch.Tensor`, since
-halo metadata would be a lie for it.
+Ordinary torch ops see a plain tensor; a result keeps the metadata of the first
+ShardTensor argument whose leading dimension it shares (row-wise ops). On an
+"owned" / "halo" block, an op without a known distributed meaning raises
+`ShardTensorMeaningError`, and a sum over atoms means owned rows, then an
+all-reduce (a replicated result): see `meaning.py` and `ShardTensor.system_sum`.
+`x[:x.n_owned]` is an "owned" block (plain for halo positions, in the wrapped
+frame); other basic slices are plain. `to_local()` / `full_tensor()` are the
+explicit ways out.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import dispatch
+from . import dispatch, meaning, reductions
+from .meaning import ShardTensorMeaningError as ShardTensorMeaningError
 
 LAYOUTS = ("owned", "halo", "replicated")
 
@@ -233,6 +237,32 @@ class ShardTensor(torch.Tensor):
             body = torch.Tensor.__repr__(self.to_local())
         return f"ShardTensor(layout={self.layout}, rank={self.rank}, {body})"
 
+    def system_sum(self, batch: torch.Tensor | None = None, n_systems: int | None = None) -> ShardTensor:
+        """The sum over atoms: this rank's owned rows summed, then an all-reduce (a collective).
+
+        What `x.sum(0)` means for a row layout; with `batch`, what
+        `zeros.index_add_(0, batch, x)` means. Ghost and pad rows are not counted.
+        Identity adjoint: every rank calls `backward()` on the same value and each
+        owned row gets gradient 1, not the world size.
+
+        Args:
+            batch: optional per-row system index (this rank's block, a ShardTensor or a
+                plain tensor of at least `n_owned` rows).
+            n_systems: the number of systems in the whole job (needed with `batch`).
+
+        Returns:
+            A replicated ShardTensor of shape `x.shape[1:]`, or `(n_systems, *x.shape[1:])`.
+
+        Raises:
+            ValueError: `batch` without `n_systems`, or a `batch` with too few rows.
+        """
+        if self.layout == "replicated":
+            raise TypeError(
+                "ShardTensor.system_sum: this ShardTensor is replicated (the same value on every rank), "
+                "so it is not a per-atom block to sum over ranks; use plain torch (x.sum(0)) on it"
+            )
+        return reductions.system_sum(self, batch, n_systems)
+
     # ---- dispatch -----------------------------------------------------------------
     @classmethod
     def __torch_function__(cls, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -241,13 +271,52 @@ class ShardTensor(torch.Tensor):
         if handler is not None:
             return handler(func, types, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-            if func in _NO_WRAP:
-                return out
             metas = list(_metas(args, kwargs))
-            if not metas:
+            rows = next((m for m, _ in metas if m.layout != "replicated"), None)
+            verdict = meaning.RUN if rows is None else meaning.classify(func, args, kwargs, _is_rows)
+            if verdict.action == "refuse":
+                meaning.refuse(func, rows.layout, rows.context.rank, verdict.why, verdict.hint)
+            if verdict.action == "owned_sum":
+                return reductions.owned_sum(func, args, kwargs, rows)
+            if verdict.action == "index_sum":
+                return reductions.index_sum(func, args, kwargs, rows)
+            out = func(*args, **kwargs)
+            if func in _NO_WRAP or not metas:
                 return out
-            return _rewrap(out, metas, _ids(args, kwargs))
+            block = None if rows is None else meaning.leading_block(func, args, kwargs, _is_rows)
+            if block is not None and (meta := _prefix_meta(block._jb, out)) is not None:
+                return ShardTensor._wrap(out, meta)
+            out = _rewrap(out, metas, _ids(args, kwargs))
+            if rows is not None and not verdict.plain_ok:
+                lead = next(s[0] for m, s in metas if m.layout != "replicated" and s)
+                meaning.check_kept(func, out, rows.layout, rows.context.rank, lead, verdict, _is_marked)
+            return out
+
+
+def _is_marked(t: torch.Tensor) -> bool:
+    """Whether a result tensor carries layout metadata."""
+    return isinstance(t, ShardTensor)
+
+
+def _is_rows(a: Any) -> bool:
+    """Whether `a` is a ShardTensor in a row layout ("owned" or "halo")."""
+    meta = a.__dict__.get("_jb") if isinstance(a, ShardTensor) else None
+    return meta is not None and meta.layout != "replicated"
+
+
+def _prefix_meta(meta: ShardMeta, out: torch.Tensor) -> ShardMeta | None:
+    """The layout of a result that starts with a block's first rows (`x[:k]`, `cat([x, pad])`), or None.
+
+    At least the layout's rows: the same layout (further rows are pad rows).
+    Exactly the owned rows of a halo block: "owned", except for positions (a halo
+    block holds them in the wrapped frame, which an owned block does not).
+    """
+    rows, base, n_owned = out.shape[0] if out.ndim else -1, meta.base_rows(), meta.context.n_owned
+    if base is not None and rows >= base:
+        return meta
+    if rows == n_owned and not meta.positions:
+        return ShardMeta(meta.context, "owned", False, meta.spec)
+    return None
 
 
 # Methods whose results must stay as torch returns them (plain tensors or non-tensors).
@@ -312,7 +381,8 @@ def _rewrap(out: Any, candidates: list, arg_ids: frozenset[int] | set[int] = fro
             return out.as_subclass(torch.Tensor) if isinstance(out, ShardTensor) else out
         return ShardTensor._wrap(out, meta)
     if isinstance(out, tuple) and not hasattr(out, "_fields"):
-        return tuple(_rewrap(o, candidates, arg_ids) for o in out)
+        items = tuple(_rewrap(o, candidates, arg_ids) for o in out)
+        return items if type(out) is tuple else type(out)(items)  # torch.return_types (values, indices)
     if isinstance(out, list):
         return [_rewrap(o, candidates, arg_ids) for o in out]
     return out

@@ -7,8 +7,10 @@ backward, and right after each call fills same-size junk tensors with NaN:
 torch memory handed back while a JAX program still reads it would then be
 overwritten and show up as NaN or wrong values. Each result is compared with a
 closed form built from the plan's `halo_global` ids only (no exchange tables),
-or with the pair model's numpy reference. Both front-door paths run: the
-stream-ordered default and the host-synchronised one (benchmark switch).
+or with the pair model's numpy reference. The front door has one path, the
+stream-ordered release (the host-synchronised one it replaced is gone from the
+library; its results are in benchmarks/RESULTS.md), reported as the mode
+"stream-ordered".
 
 On GPU a negative control runs the same pattern directly with JAX and torch,
 dropping the input without ordering: it shows whether this machine exposes the
@@ -19,31 +21,17 @@ OUT_DIR/rank<k>_stress.json; scripts/gpu_torch_front_door.py judges it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import pathlib
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-MODES = {"stream-ordered": False, "host sync": True}
-
-
-@contextlib.contextmanager
-def host_sync(on: bool) -> Iterator[None]:
-    """Run the front door with (True) or without (False) its host sync after every program."""
-    from nvalchemi_jaxbridge.torch import functions as F
-
-    old, F._HOST_SYNC = F._HOST_SYNC, on
-    try:
-        yield
-    finally:
-        F._HOST_SYNC = old
+MODE = "stream-ordered"  # the front door's only path (the key of res["modes"])
 
 
 def _junk(dev: Any, dtype: Any, shapes: list[tuple[int, ...]]) -> list[Any]:
@@ -98,7 +86,7 @@ def exchange_stress(plan: Any, rank: int, dev: Any, *, iters: int, features: int
         junk = _junk(dev, torch.float64, shapes)  # fills the blocks of the temporaries just dropped
         (out.to_local() * torch.tensor(w_halo[rank], device=dev)).sum().backward()
         junk = _junk(dev, torch.float64, shapes)
-        got_out, got_grad = out.to_local().detach().cpu().numpy(), x.grad.detach().cpu().numpy()
+        got_out, got_grad = out.to_local().detach().cpu().numpy(), _local(x.grad).detach().cpu().numpy()
         res["forward"].append(_max_err(got_out, want_out))
         res["backward"].append(_max_err(got_grad[:n_own], want_grad))
     del junk
@@ -128,7 +116,7 @@ def model_stress(pos: np.ndarray, box: float, world: int, dev: Any, *, iters: in
         forces = -ShardTensor.from_local(x.grad, plan).full_tensor()
         del junk
         # all_reduce_outputs: each rank seeds its own partial, so the gradient is world * the true one
-        res["energy"].append(abs(float(energy.item()) - e_ref) / max(abs(e_ref), 1e-300))
+        res["energy"].append(abs(float(_local(energy).item()) - e_ref) / max(abs(e_ref), 1e-300))
         res["forces"].append(_max_err(forces.detach().cpu().numpy() / world, f_ref))
     return res
 
@@ -159,6 +147,11 @@ def negative_control(dev: Any, *, iters: int, rows: int = 1 << 20, work: int = 4
     return {"iterations": iters, "corrupted": bad}
 
 
+def _local(t: Any) -> Any:
+    """This rank's block of a ShardTensor (host reads of a ShardTensor itself are refused), else `t`."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _max_err(got: np.ndarray, want: np.ndarray) -> float:
     """max |got - want| (inf on a shape mismatch or NaN)."""
     if got.shape != want.shape:
@@ -171,7 +164,7 @@ def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir", type=pathlib.Path)
     p.add_argument("platform", nargs="?", default="cpu", choices=("cpu", "gpu"))
-    p.add_argument("--iters", type=int, default=200, help="iterations per check and mode")
+    p.add_argument("--iters", type=int, default=200, help="iterations per check")
     p.add_argument("--cells", type=int, default=16, help="fcc cells per axis of the exchange system")
     p.add_argument("--features", type=int, default=16)
     a = p.parse_args(argv)
@@ -195,12 +188,10 @@ def main(argv: list[str]) -> None:
     res: dict[str, Any] = {"rank": rank, "world": world, "atoms": int(s.n_atoms), "features": a.features,
                            "halo_rows": int(plan.halo_rows), "iters": a.iters, "modes": {}}
     t0 = time.perf_counter()
-    for mode, on in MODES.items():
-        with host_sync(on):
-            t = time.perf_counter()
-            ex = exchange_stress(plan, rank, dev, iters=a.iters, features=a.features)
-            md = model_stress(model.system(40, 7.0, 3), 7.0, world, dev, iters=max(a.iters // 4, 1))
-            res["modes"][mode] = {"exchange": ex, "model": md, "seconds": time.perf_counter() - t}
+    t = time.perf_counter()
+    ex = exchange_stress(plan, rank, dev, iters=a.iters, features=a.features)
+    md = model_stress(model.system(40, 7.0, 3), 7.0, world, dev, iters=max(a.iters // 4, 1))
+    res["modes"][MODE] = {"exchange": ex, "model": md, "seconds": time.perf_counter() - t}
     if a.platform == "gpu":
         res["negative_control"] = negative_control(dev, iters=min(a.iters, 50))
     res["seconds"] = time.perf_counter() - t0

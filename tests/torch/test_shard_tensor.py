@@ -12,6 +12,7 @@ from nvalchemi_jaxbridge.layout import HaloPlan, ShardPlan
 from nvalchemi_jaxbridge.spec import AllReduceSum, OpAdapter
 from nvalchemi_jaxbridge.torch import ShardTensor, installed
 from nvalchemi_jaxbridge.torch.dispatch import make_marshaller
+from nvalchemi_jaxbridge.torch.meaning import ShardTensorMeaningError
 from tests.torch import model
 
 BOX = 6.0
@@ -30,10 +31,13 @@ def plan(pos) -> HaloPlan:
 def test_metadata_follows_the_leading_dimension(plan, pos):
     x = ShardTensor.from_global(torch.tensor(pos), plan, positions=True)
     assert isinstance(x, ShardTensor) and x.layout == "owned" and x.is_positions
-    for y in (x * 2 + 1, torch.sin(x), x[:, 0], x[torch.arange(12)], x.clone()):
+    for y in (x * 2 + 1, torch.sin(x), x[:, 0], x[:, torch.tensor([0, 2])], x.clone()):
         assert isinstance(y, ShardTensor) and y.layout == "owned", y.shape
-    for y in (x.sum(), x[:3], x.reshape(-1), x.amax(dim=0)):
-        assert type(y) is torch.Tensor, y.shape  # halo metadata would be wrong for these
+    assert type(x[:3]) is torch.Tensor  # basic slicing stays allowed; halo metadata would be wrong for it
+    assert x.sum().layout == "replicated"  # a sum over atoms: owned rows, then an all-reduce
+    for f in (lambda: x.reshape(-1), lambda: x.amax(dim=0), lambda: x[torch.arange(12)]):  # refused, see test_meaning.py
+        with pytest.raises(ShardTensorMeaningError):
+            f()
     y = x.clone()
     assert y.add_(1) is y and y.layout == "owned"  # in place keeps identity and metadata
     assert x.policy.to_dict()["kind"] == "halo" and x.plan is plan and x.n_owned == 12
