@@ -1,0 +1,119 @@
+"""NVE molecular dynamics of a distributed MLIP: one step (model, exchanges, integrator) is one program.
+
+The state lives in owned storage on the mesh. Every `check_every` steps the
+positions come back to the host once to test the layout's rebuild criterion
+(an atom moved more than skin/2); a rebuilt layout re-lays positions,
+velocities and forces out in the new owned storage (capacities kept or grown).
+Units: Å, fs, amu, eV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..demo.md import MDState, verlet_step
+from .jax_model import DistributedMLIP, ModelState
+
+
+def _step_fn(model: DistributedMLIP) -> Callable[..., tuple[MDState, jax.Array]]:
+    """`step(layout, md, masses, reference, dt) -> (md, moved_too_far)`: one velocity Verlet step, jitted.
+
+    `moved_too_far` is True when an owned atom ended the step more than skin/2 from
+    the layout's reference position: the block's edges may then miss a pair, so
+    the caller must not keep the step.
+    """
+    grad = jax.value_and_grad(model.energy_fn, argnums=1, has_aux=True)
+    limit = (model.skin / 2) ** 2
+
+    def step(layout: ModelState, md: MDState, masses: jax.Array, reference: jax.Array, dt: float
+             ) -> tuple[MDState, jax.Array]:
+        def force_fn(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+            (energy, _), g = grad(layout, x, jnp.zeros((3, 3), x.dtype))
+            return energy, -g
+
+        out = verlet_step(force_fn, md, masses, dt)
+        d = out.positions - reference
+        return out, jnp.max(jnp.sum(d * d, axis=1)) > limit
+
+    return jax.jit(step, static_argnums=4)
+
+
+def nve(model: DistributedMLIP, positions: Any, velocities: Any, masses: Any, numbers: Any, cell: Any,
+        pbc: Any = True, *, steps: int, dt: float, check_every: int = 10,
+        on_step: Callable[[int, np.ndarray, float], None] | None = None) -> dict[str, Any]:
+    """Run `steps` NVE steps; the trajectory in global order.
+
+    Args:
+        model: the distributed model.
+        positions, velocities, masses, numbers: `(N, 3)` Å, `(N, 3)` Å/fs, `(N,)` amu, `(N,)`.
+        cell, pbc: the box.
+        steps, dt: step count and time step (fs).
+        check_every: steps between rebuild checks (host round trip of the positions).
+        on_step: called as `on_step(step, positions, energy)` at every check (progress, logging).
+
+    Returns:
+        `{"positions": {step: (N, 3)}, "energy": {step: eV}, "rebuilds": layouts built}`, with
+        one entry per check step (step 0 is the start).
+    """
+    if steps < 0 or check_every < 1:
+        raise ValueError(f"nve: need steps >= 0 and check_every >= 1, got steps={steps}, check_every={check_every}.")
+    dtype = model._np_dtype()
+    layout = model.prepare(positions, numbers, cell, pbc)
+    step = _step_fn(model)
+    m_global = np.asarray(masses, dtype=dtype)
+
+    def owned(layout: ModelState, x: np.ndarray, *, positions: bool = False) -> jax.Array:
+        return layout.cs.owned(np.asarray(x, dtype=dtype), positions=positions)
+
+    def start(layout: ModelState, x: np.ndarray, v: np.ndarray, f: np.ndarray | None = None,
+              energy: Any = None) -> tuple[MDState, jax.Array, jax.Array]:
+        """The MD state in `layout`'s owned storage (forces evaluated unless given), masses, reference."""
+        m = owned(layout, m_global) + jnp.asarray(1.0 - layout.plan.owned_mask.reshape(-1), dtype)  # padding: 1 amu
+        x_o, v_o = owned(layout, x, positions=True), owned(layout, v)
+        if f is None:
+            energy, _, g, _ = model.energy_and_gradients(layout, x_o)  # jitted (an eager shard_map is slow)
+            f_o = -g
+        else:
+            f_o = owned(layout, f)
+        reference = owned(layout, layout.plan.reference_positions, positions=True)  # padding parked like x_o
+        return MDState(x_o, v_o, f_o, energy), m, reference
+
+    def relayout(layout: ModelState, md: MDState) -> tuple[ModelState, MDState, jax.Array, jax.Array]:
+        """A layout rebuilt at `md`'s positions, with `md` moved into it (forces kept, not recomputed)."""
+        g = layout.cs.to_global
+        x, v, f = g(md.positions), g(md.velocities), g(md.forces)
+        layout = model.rebuild(layout, x)
+        return (layout, *start(layout, x, v, f, md.energy))
+
+    md, m, ref = start(layout, np.asarray(positions, dtype=np.float64), np.asarray(velocities, dtype=np.float64))
+    traj, energies, rebuilds = {0: np.asarray(positions, dtype=np.float64).copy()}, {0: float(md.energy)}, 1
+    done, chunk = 0, check_every
+    while done < steps:
+        n = min(chunk, steps - done)
+        new, flag = md, False
+        for _ in range(n):
+            new, moved = step(layout, new, m, ref, float(dt))
+            flag = flag | moved
+        if bool(flag):  # an atom left the layout's skin inside the chunk: redo it, from a fresh layout
+            if n == 1 and layout.plan.max_displacement(layout.cs.to_global(md.positions)) == 0.0:
+                raise ValueError(
+                    f"nve: an atom moved more than skin/2 = {model.skin / 2} Å in one step of {dt} fs from a "
+                    "fresh layout; use a shorter time step or a larger skin (DistributedMLIP(skin=...))."
+                )
+            layout, md, m, ref = relayout(layout, md)
+            rebuilds, chunk = rebuilds + 1, max(1, n // 2)
+            continue
+        md, done, chunk = new, done + n, min(check_every, 2 * chunk)
+        x = layout.cs.to_global(md.positions)
+        traj[done], energies[done] = x, float(md.energy)
+        if on_step is not None:
+            on_step(done, x, float(md.energy))
+        if done < steps and layout.plan.needs_rebuild(x):
+            layout, md, m, ref = relayout(layout, md)
+            rebuilds += 1
+    return {"positions": traj, "energy": energies, "rebuilds": rebuilds}

@@ -1,0 +1,113 @@
+"""Edges of each device's block: a neighbour list with a static capacity, grown, never cut.
+
+The list is built on the host (scipy's `cKDTree`, open boundaries: periodic images
+are already ghost rows) from the plan's halo positions, with radius `cutoff +
+skin`, so it stays a superset of the pairs within `cutoff` until the plan needs
+a rebuild (an atom moved more than `skin / 2`). Inside a program the edges
+longer than `cutoff` at the current positions are turned into padding edges
+(`active_edges`), so a model sees exactly the pairs a neighbour list at its
+cutoff would give, whatever its radial function does beyond it.
+
+Receivers: with per-layer exchange only owned rows receive messages (ghost
+features are refreshed from their owners instead); the deep halo lets every real
+row receive, since the whole model runs on the block in one go.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+RECEIVERS = ("owned", "all")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EdgePlan:
+    """Per-device edge tables for one `HaloPlan`.
+
+    Attributes:
+        edges: `(D, edge_capacity, 2)` int32 block rows `(sender, receiver)`; padding
+            edges are `(pad_row, pad_row)`.
+        pad_row: `(D,)` int32 the first padding row of each block (`n_owned + n_ghost`).
+        n_edges: `(D,)` real edges per device.
+        edge_capacity: static edges per device.
+        cutoff: the model's cutoff; `reach`: the list radius (`cutoff + skin`).
+        receivers: "owned" (per-layer exchange) or "all" (deep halo).
+    """
+
+    edges: np.ndarray
+    pad_row: np.ndarray
+    n_edges: np.ndarray
+    edge_capacity: int
+    cutoff: float
+    reach: float
+    receivers: str
+    headroom: float
+
+    @classmethod
+    def build(
+        cls,
+        plan: Any,
+        positions: np.ndarray,
+        *,
+        cutoff: float,
+        receivers: str = "owned",
+        headroom: float = 1.2,
+        edge_capacity: int | None = None,
+    ) -> EdgePlan:
+        """Edges of every device's block for `positions` (the plan's atoms, `(N, 3)`).
+
+        Args:
+            plan: a `HaloPlan` whose halo reaches at least `cutoff + plan.skin`.
+            positions: `(N, 3)` positions the plan describes.
+            cutoff: the model's cutoff (Å).
+            receivers: "owned" or "all" (see the module docstring).
+            headroom: capacity = `ceil(headroom * most edges on a device)` when one is chosen or grown.
+            edge_capacity: a capacity to keep if it suffices (grown otherwise).
+
+        Raises:
+            ValueError: a bad `receivers`, a cutoff <= 0, or a plan whose halo is
+                shallower than `cutoff + skin`.
+        """
+        from scipy.spatial import cKDTree
+
+        if receivers not in RECEIVERS:
+            raise ValueError(f"EdgePlan.build: receivers must be one of {RECEIVERS}, got {receivers!r}.")
+        if not cutoff > 0:
+            raise ValueError(f"EdgePlan.build: cutoff must be > 0 Å, got {cutoff!r}.")
+        reach = float(cutoff) + float(plan.skin)
+        if plan.cutoff + 1e-12 < float(cutoff):
+            raise ValueError(
+                f"EdgePlan.build: the plan's halo reaches {plan.cutoff} + skin {plan.skin} Å but the model "
+                f"needs cutoff {cutoff} + skin; build the HaloPlan with cutoff >= {cutoff}."
+            )
+        d, hr = plan.n_devices, plan.halo_rows
+        halo = plan.to_halo(np.asarray(positions, dtype=np.float64), positions=True).reshape(d, hr, 3)
+        n_pad = np.asarray(plan.n_padded)
+        n_own = np.asarray(plan.n_owned)
+        per_device = []
+        for dev in range(d):
+            pts = halo[dev, : n_pad[dev]]
+            pairs = cKDTree(pts).query_pairs(reach, output_type="ndarray") if len(pts) > 1 else np.zeros((0, 2), int)
+            both = np.concatenate([pairs, pairs[:, ::-1]]).astype(np.int32)  # (sender, receiver)
+            if receivers == "owned":
+                both = both[both[:, 1] < n_own[dev]]
+            per_device.append(both[np.lexsort((both[:, 0], both[:, 1]))])
+        n_edges = np.array([len(e) for e in per_device], dtype=np.int64)
+        need = int(n_edges.max(initial=0))
+        cap = edge_capacity if edge_capacity is not None and edge_capacity >= need else max(
+            1, math.ceil(headroom * need))
+        pad_row = n_pad.astype(np.int32)
+        edges = np.empty((d, cap, 2), dtype=np.int32)
+        edges[...] = pad_row[:, None, None]
+        for dev, e in enumerate(per_device):
+            edges[dev, : len(e)] = e
+        return cls(edges, pad_row, n_edges, int(cap), float(cutoff), reach, receivers, float(headroom))
+
+    def rebuild(self, plan: Any, positions: np.ndarray) -> EdgePlan:
+        """The edges for a rebuilt plan, keeping this capacity when it suffices (grown otherwise)."""
+        return EdgePlan.build(plan, positions, cutoff=self.cutoff, receivers=self.receivers,
+                              headroom=self.headroom, edge_capacity=self.edge_capacity)

@@ -1,0 +1,298 @@
+"""The JAX front door of the model level: a torch MLIP on the domain decomposition, one program.
+
+One energy evaluation is one `shard_map` program over all devices:
+
+    positions (owned storage) --GatherInputs (periodic images)--> halo block
+        --strain (I + eps)--> stages as torch ops, ghost rows refreshed between layers
+        --> owned node energies --psum--> energy
+
+and `jax.value_and_grad` of it gives forces (ghost gradients reach their owners
+through the exchanges' adjoints) and the strain derivative (stress). Because the
+whole thing is a JAX function of sharded arrays, an integrator step around it is
+one XLA program too (`DistributedMLIP.energy_fn`).
+
+`exchange="per_layer"`: a halo of one cutoff (+ skin); only owned atoms receive
+messages and ghost features are refreshed before every layer after the first.
+`exchange="deep_halo"`: a halo of `n_layers x cutoff` (+ skin), the whole model
+as one op on the block, no exchange between layers (the fallback; same numbers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..layout import HaloPlan
+from ..lower import collectives as C
+from ..lower import compile as lower_compile
+from ..lower import exchange as X
+from ..lower import make_mesh
+from ..lower.tables import place
+from ..spec import DistributionSpec
+from .edges import EdgePlan
+from .protocol import MessagePassingWrapper, numpy_dtype
+from .specs import EXCHANGES, RunSettings, cell_volume, check_model, run_settings, stress_wanted
+from .stages import Stages
+
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelState:
+    """One geometry's layout: the halo plan, its edges and their device arrays.
+
+    Pass it (with new positions) to `DistributedMLIP.update` each step; a pytree,
+    so a jitted step takes it as an argument and is reused while capacities stay.
+    """
+
+    plan: HaloPlan
+    edges: EdgePlan
+    cs: Any  # CompiledSpec: the plan's tables on the mesh
+    edge_table: jax.Array  # (D * edge_capacity, 2) int32, P(axis)
+    pad_row: jax.Array  # (D,) int32, P(axis)
+    attrs: jax.Array  # (D * owned_capacity, A) node attributes, owned storage
+    numbers: np.ndarray
+    cell: np.ndarray
+    periodic: tuple[bool, bool, bool]
+
+    def rows_per_device(self) -> list[dict[str, int]]:
+        """Owned, ghost and edge counts per device (what each device computes on)."""
+        p, e = self.plan, self.edges
+        return [{"owned": int(p.n_owned[d]), "ghost": int(p.n_ghost[d]), "edges": int(e.n_edges[d])}
+                for d in range(p.n_devices)]
+
+
+class _Aux:
+    """Static part of a ModelState in a jit cache key: only the capacities matter to a program."""
+
+    def __init__(self, state: ModelState):
+        self.state = state
+        self.key = (state.edges.edge_capacity, state.cs.tables.static_key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Aux) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+
+jax.tree_util.register_pytree_node(
+    ModelState,
+    lambda s: ((s.cs, s.edge_table, s.pad_row, s.attrs), _Aux(s)),
+    lambda aux, ch: dataclasses.replace(aux.state, cs=ch[0], edge_table=ch[1], pad_row=ch[2], attrs=ch[3]),
+)
+
+
+def active_edges(pos: jax.Array, edges: jax.Array, pad: jax.Array, cutoff: float, far: float
+                 ) -> tuple[jax.Array, jax.Array]:
+    """Edges within `cutoff` at `pos` kept, the others made padding edges; and each edge's shift.
+
+    Args:
+        pos: `(rows, 3)` block positions; edges: `(E, 2)` (sender, receiver); pad: `(1,)` pad row.
+
+    Returns:
+        `(E, 2)` int32 edges and `(E, 3)` shifts (zero for real edges, `far` along x for padding).
+    """
+    p = jax.lax.stop_gradient(pos)
+    vec = p[edges[:, 1]] - p[edges[:, 0]]
+    keep = (edges[:, 0] != pad[0]) & (jnp.sum(vec * vec, axis=1) < cutoff * cutoff)
+    out = jnp.where(keep[:, None], edges, pad[0])
+    shift = jnp.where(keep[:, None], jnp.zeros((), pos.dtype), jnp.asarray([far, 0.0, 0.0], pos.dtype))
+    return out.astype(jnp.int32), shift
+
+
+def build_layout(wrapper: MessagePassingWrapper, exchange: str, positions: Any, numbers: Any, cell: Any, pbc: Any,
+                 *, n_devices: int, skin: float, headroom: float) -> tuple[HaloPlan, EdgePlan, np.ndarray, np.ndarray,
+                                                                          tuple[bool, bool, bool]]:
+    """The halo plan (one cutoff, or n_layers cutoffs for the deep halo, plus skin) and its block edges."""
+    pos = np.asarray(positions, dtype=np.float64)
+    numbers = np.asarray(numbers).reshape(-1)
+    if pos.ndim != 2 or pos.shape[1] != 3 or len(numbers) != len(pos):
+        raise ValueError(
+            f"{wrapper.name}: positions must be (N, 3) with one atomic number each; got positions {pos.shape} "
+            f"and {len(numbers)} numbers."
+        )
+    periodic = tuple(bool(p) for p in np.broadcast_to(np.asarray(pbc, dtype=bool), (3,)))
+    cell = np.asarray(cell, dtype=np.float64).reshape(3, 3)
+    depth = wrapper.cutoff if exchange == "per_layer" else wrapper.n_layers * wrapper.cutoff
+    plan = HaloPlan.build(pos, cell, periodic=periodic, cutoff=depth, skin=skin, n_devices=n_devices,
+                          headroom=headroom)
+    edges = EdgePlan.build(plan, pos, cutoff=wrapper.cutoff, receivers="owned" if exchange == "per_layer" else "all",
+                           headroom=headroom)
+    return plan, edges, numbers, cell, periodic
+
+
+def between_layers(x: jax.Array, t: Any, axis: str, policy: Any) -> jax.Array:
+    """Ghost rows of a layer's output set to their owners' values, by whichever exchange `policy` has on.
+
+    With the refresh off but the fold on (`gather_mode="local"`, `scatter_mode="halo_correction"`),
+    folding the owned rows alone (ghost rows zeroed) gives the same values: every ghost then
+    receives its owner's row and nothing is added to an owner.
+    """
+    refresh_on, _ = X.exchanges_of(policy)
+    if refresh_on:
+        return X.refresh(x, t, axis, policy)
+    owned = jnp.concatenate([C.slice_owned(x, t), jnp.zeros((t.ghost_capacity,) + x.shape[1:], x.dtype)])
+    return X.fold(owned, t, axis, policy)
+
+
+class DistributedMLIP:
+    """A torch message-passing model distributed over a JAX mesh (one process, all devices).
+
+    Args:
+        wrapper: a `MessagePassingWrapper` (e.g. `MPNNWrapper`, `MACEWrapper`).
+        spec: an `MLIPSpec` (or a `DistributionSpec`, or None for the wrapper's own
+            `distribution_spec()`): the storage policy, force strategy, stress, outputs.
+        n_devices: devices of a new 1-D mesh (default: all); or pass `mesh`.
+        exchange: "per_layer" (halo of one cutoff, refresh between layers) or
+            "deep_halo" (halo of n_layers cutoffs, the model as one op).
+        skin: Verlet skin (Å): halo and edges reach `cutoff + skin`; the layout is
+            rebuilt when an atom has moved more than `skin / 2`.
+        headroom: relative headroom of every static capacity.
+        call_path: how the stage ops are called ("auto", "ffi", "callback").
+
+    Example:
+        >>> model = DistributedMLIP(MPNNWrapper(MPNN([29, 79])), n_devices=8)
+        >>> out = model.evaluate(positions, numbers, cell)        # energy, forces, stress, atomic_energies
+    """
+
+    def __init__(self, wrapper: MessagePassingWrapper, *, spec: Any = None, n_devices: int | None = None,
+                 mesh: Any = None, exchange: str = "per_layer", skin: float = 0.5, headroom: float = 1.2,
+                 call_path: str = "auto") -> None:
+        check_model(wrapper, exchange, skin, "DistributedMLIP")
+        self.wrapper, self.exchange, self.skin, self.headroom = wrapper, exchange, float(skin), float(headroom)
+        self.settings: RunSettings = run_settings(wrapper.distribution_spec() if spec is None else spec,
+                                                  per_layer=exchange == "per_layer")
+        self.mesh = mesh if mesh is not None else make_mesh(n_devices)
+        self.stages = Stages.of(wrapper, call_path=call_path)
+        self._value_and_grad = jax.jit(jax.value_and_grad(self.energy_fn, argnums=(1, 2), has_aux=True))
+
+    # ---------------------------------------------------------------- layout
+
+    @property
+    def halo_depth(self) -> float:
+        """Halo width without skin: one cutoff (per-layer) or n_layers cutoffs (deep halo)."""
+        w = self.wrapper
+        return w.cutoff if self.exchange == "per_layer" else w.n_layers * w.cutoff
+
+    def prepare(self, positions: Any, numbers: Any, cell: Any, pbc: Any = True) -> ModelState:
+        """The layout for one geometry: halo plan, block edges, device tables, node attributes."""
+        plan, edges, numbers, cell, periodic = build_layout(
+            self.wrapper, self.exchange, positions, numbers, cell, pbc, n_devices=int(self.mesh.devices.size),
+            skin=self.skin, headroom=self.headroom)
+        return self._state(plan, edges, self.wrapper.node_attrs(numbers), numbers, cell, periodic)
+
+    def _state(self, plan: HaloPlan, edges: EdgePlan, attrs: np.ndarray, numbers: np.ndarray, cell: np.ndarray,
+               periodic: tuple[bool, bool, bool], cs: Any = None) -> ModelState:
+        cs = lower_compile(DistributionSpec(self.settings.policy), self.mesh, plan) if cs is None else cs.with_plan(plan)
+        row = NamedSharding(self.mesh, P(cs.axis))
+        return ModelState(plan, edges, cs, place(edges.edges.reshape(-1, 2), row), place(edges.pad_row, row),
+                          cs.owned(attrs), numbers, cell, periodic)
+
+    def needs_rebuild(self, state: ModelState, positions: Any) -> bool:
+        """Whether `positions` moved too far from the layout's (more than skin/2, or re-wrapped)."""
+        return state.plan.needs_rebuild(np.asarray(positions, dtype=np.float64))
+
+    def update(self, state: ModelState, positions: Any) -> ModelState:
+        """`state` if it still holds for `positions`, else a rebuilt layout (capacities kept or grown)."""
+        pos = np.asarray(positions, dtype=np.float64)
+        return self.rebuild(state, pos) if state.plan.needs_rebuild(pos) else state
+
+    def rebuild(self, state: ModelState, positions: Any) -> ModelState:
+        """A new layout for `positions` with `state`'s capacities (grown where they no longer fit)."""
+        pos = np.asarray(positions, dtype=np.float64)
+        plan = state.plan.rebuild(pos)
+        edges = state.edges.rebuild(plan, pos)
+        attrs = self.wrapper.node_attrs(state.numbers)
+        return self._state(plan, edges, attrs, state.numbers, state.cell, state.periodic, cs=state.cs)
+
+    # ---------------------------------------------------------------- programs
+
+    def energy_fn(self, state: ModelState, pos_owned: jax.Array, strain: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Energy (replicated) and owned node energies of owned-storage positions under a strain.
+
+        A pure JAX function (jit it with `state` as an argument); `strain` is a
+        `(3, 3)` array whose symmetric part strains positions and cell together.
+
+        Returns:
+            `(energy, node_energies)`: a scalar and `(D * owned_capacity,)` owned storage.
+        """
+        cs, st, w = state.cs, self.stages, self.wrapper
+        axis, policy, deep = cs.axis, self.settings.policy, self.exchange == "deep_halo"
+        far = 3.0 * (w.cutoff + self.skin) + 1.0
+
+        def body(t, edges, pad, attrs, pos, eps):
+            pos_h = C.halo_forward(pos, t, axis, positions=True)
+            pos_h = pos_h + pos_h @ ((eps + eps.T) / 2).astype(pos_h.dtype)
+            attrs_h = C.halo_forward(attrs, t, axis)
+            e_idx, shifts = active_edges(pos_h, edges, pad, w.cutoff, far)
+            graph = (pos_h, attrs_h, e_idx, shifts)
+            if deep:
+                node_e = st.whole(*graph)
+            else:
+                h = st.embed(*graph)
+                h = h if isinstance(h, tuple) else (h,)
+                acc = None
+                for i, op in enumerate(st.interactions):
+                    if i > 0:
+                        h = tuple(between_layers(x, t, axis, policy) for x in h)
+                    out = op(*graph, *h)
+                    h, e = tuple(out[:-1]), out[-1]
+                    acc = e if acc is None else acc + e
+                node_e = st.readout(*graph, acc)
+            own = C.slice_owned(node_e, t)
+            return jax.lax.psum(jnp.sum(own), axis), own
+
+        smap = jax.shard_map(
+            body, mesh=cs.mesh, in_specs=(cs.tables.specs(axis), P(axis), P(axis), P(axis), P(axis), P()),
+            out_specs=(P(), P(axis)), check_vma=True)
+        return smap(cs.tables, state.edge_table, state.pad_row, state.attrs, pos_owned, strain)
+
+    def energy_and_gradients(self, state: ModelState, pos_owned: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """`(energy, node energies, dE/dpositions (owned storage), dE/dstrain (3, 3))`, one jitted program."""
+        strain = jnp.zeros((3, 3), pos_owned.dtype)
+        (energy, node_e), (g_pos, g_strain) = self._value_and_grad(state, pos_owned, strain)
+        return energy, node_e, g_pos, g_strain
+
+    # ---------------------------------------------------------------- results
+
+    def evaluate(self, positions: Any, numbers: Any, cell: Any, pbc: Any = True, *,
+                 state: ModelState | None = None, stress: bool | None = None) -> dict[str, Any]:
+        """Energy, forces, stress and atomic energies of one geometry, in global atom order.
+
+        Args:
+            positions, numbers, cell, pbc: the structure (Å; cell rows are lattice vectors).
+            state: a layout from `prepare`/`update` to reuse (default: built now).
+            stress: return the stress (default: when the spec's `stress_via_strain` is on).
+
+        Returns:
+            A dict with `energy` (eV), `forces` `(N, 3)` (eV/Å), `stress` `(3, 3)` (eV/Å³,
+            ASE's sign: `(1/V) dE/dstrain`), `virial` (`-dE/dstrain`, eV) and the per-atom
+            energies under the spec's `node_energy_key` (default "atomic_energies"). Outputs
+            listed in the spec's `owned_only_outputs` come back as owned-storage
+            `jax.Array`s instead of global numpy arrays.
+        """
+        s = self.settings
+        state = self.prepare(positions, numbers, cell, pbc) if state is None else state
+        want_stress = stress_wanted(s, stress, "DistributedMLIP.evaluate")
+        pos_owned = state.cs.owned(np.asarray(positions, dtype=np.float64).astype(self._np_dtype()), positions=True)
+        energy, node_e, g_pos, g_strain = self.energy_and_gradients(state, pos_owned)
+        out: dict[str, Any] = {"energy": float(energy)}
+        forces = -g_pos
+        out["forces"] = forces if "forces" in s.owned_only else state.cs.to_global(forces)
+        out[s.node_energy_key] = node_e if s.node_energy_key in s.owned_only else state.cs.to_global(node_e)
+        if want_stress:
+            virial = -np.asarray(g_strain)
+            volume = cell_volume(state.cell, "DistributedMLIP.evaluate")
+            out["virial"] = virial
+            out["stress"] = -virial / volume
+        return out
+
+    def _np_dtype(self) -> Any:
+        return numpy_dtype(self.wrapper.dtype)
+

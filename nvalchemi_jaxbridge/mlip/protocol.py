@@ -1,0 +1,142 @@
+"""The model-wrapper protocol: how a message-passing model is cut into stages.
+
+A wrapper tells the model level four things about a torch model: its cutoff,
+how many interaction layers it has, what per-atom inputs it reads (`node_attrs`),
+and how to run it in stages on one device's block:
+
+    h = embed(g)                          # node features on every row of the block
+    for i in range(n_layers):             # ghost rows of h refreshed before every layer i > 0
+        h, e_i = interaction(i, g, h)     # new features and this layer's node-energy term,
+                                          # valid on the receiver rows (the owned atoms)
+    node_energy = node_energies(g, e_0 + ... + e_{L-1})
+
+The block `g` (a `BlockGraph`) holds owned atoms, then ghost atoms (periodic
+images carry their shifted positions, so every edge has a zero shift), then
+inert padding rows parked far away. Its edges point from senders to receivers
+(MACE's convention); a padding edge joins a padding row to itself with a long
+shift vector, so it touches no atom. Stages must be pure torch functions of
+their inputs (they may run more than once: shape probing, autograd re-runs).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+Features = torch.Tensor | tuple[torch.Tensor, ...]
+"""Node features between layers: one `(rows, ...)` tensor or a tuple of them."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BlockGraph:
+    """One device's block as a model's input graph.
+
+    Attributes:
+        positions: `(rows, 3)` Cartesian positions (ghosts as periodic images; padding parked).
+        node_attrs: `(rows, A)` per-atom inputs from `MessagePassingWrapper.node_attrs`
+            (zero on padding rows).
+        edge_index: `(2, E)` int64; row 0 senders, row 1 receivers.
+        shifts: `(E, 3)`; zero for real edges, a long vector for padding edges.
+    """
+
+    positions: torch.Tensor
+    node_attrs: torch.Tensor
+    edge_index: torch.Tensor
+    shifts: torch.Tensor
+
+    @property
+    def n_rows(self) -> int:
+        """Rows of the block (owned, ghost and padding rows)."""
+        return int(self.positions.shape[0])
+
+    @property
+    def senders(self) -> torch.Tensor:
+        """`(E,)` sender row of each edge."""
+        return self.edge_index[0]
+
+    @property
+    def receivers(self) -> torch.Tensor:
+        """`(E,)` receiver row of each edge."""
+        return self.edge_index[1]
+
+    def edge_vectors(self) -> torch.Tensor:
+        """`(E, 3)` vector from sender to receiver: `pos[receiver] - pos[sender] + shift`."""
+        return self.positions[self.receivers] - self.positions[self.senders] + self.shifts
+
+
+class MessagePassingWrapper(abc.ABC):
+    """Base class of model wrappers (see the module docstring for the stage order).
+
+    Subclasses set `cutoff` (Å, one layer's reach), `n_layers` and `dtype`, and
+    implement `node_attrs`, `embed` and `interaction`; `node_energies` defaults to
+    the sum of the layers' terms. `name` labels the stages in errors and reports.
+    """
+
+    cutoff: float
+    n_layers: int
+    dtype: torch.dtype = torch.float64
+    name: str = "model"
+
+    @abc.abstractmethod
+    def node_attrs(self, numbers: np.ndarray) -> np.ndarray:
+        """`(N, A)` per-atom inputs for atomic numbers `numbers` (e.g. a one-hot of the species).
+
+        Raises a clear error for a species the model does not know.
+        """
+
+    @abc.abstractmethod
+    def embed(self, g: BlockGraph) -> Features:
+        """Initial node features on every row of the block."""
+
+    @abc.abstractmethod
+    def interaction(self, i: int, g: BlockGraph, h: Features) -> tuple[Features, torch.Tensor]:
+        """Layer `i`: new node features and the layer's `(rows,)` node-energy term.
+
+        Only rows that are receivers of edges (the owned atoms, with per-layer
+        exchange) need to be right; the others are overwritten or ignored.
+        """
+
+    def node_energies(self, g: BlockGraph, layer_energy: torch.Tensor) -> torch.Tensor:
+        """`(rows,)` node energies from the summed layer terms (add per-atom shifts here)."""
+        return layer_energy
+
+    def distribution_spec(self) -> Any:
+        """The model's `MLIPSpec` (default: per-layer halo exchange, forces from node energies,
+        stress by strain)."""
+        from .specs import default_spec
+
+        return default_spec()
+
+
+def as_tuple(h: Features) -> tuple[torch.Tensor, ...]:
+    """Node features as a tuple of tensors."""
+    return tuple(h) if isinstance(h, (tuple, list)) else (h,)
+
+
+def like(template: Features, parts: Sequence[torch.Tensor]) -> Features:
+    """`parts` in the structure of `template` (a tensor or a tuple)."""
+    return tuple(parts) if isinstance(template, (tuple, list)) else parts[0]
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype of a torch floating dtype."""
+    return np.dtype(str(dtype).removeprefix("torch."))
+
+
+def one_hot(numbers: np.ndarray, species: Sequence[int], *, dtype: Any, model: str) -> np.ndarray:
+    """`(N, len(species))` one-hot rows of `numbers` in `species` order; unknown species raise."""
+    numbers = np.asarray(numbers).reshape(-1)
+    index = {int(z): k for k, z in enumerate(species)}
+    if bad := sorted({int(z) for z in numbers} - set(index)):
+        raise ValueError(
+            f"{model}: atomic numbers {bad} are not among the model's species {list(species)}; "
+            "use a structure of those elements, or build the model with them (species=...)."
+        )
+    out = np.zeros((len(numbers), len(species)), dtype=dtype)
+    out[np.arange(len(numbers)), [index[int(z)] for z in numbers]] = 1
+    return out

@@ -1,0 +1,35 @@
+"""The models and structures the model-level tests share (seeded, so every process builds the same)."""
+
+from __future__ import annotations
+
+import functools
+
+from tests.mlip._reference import alloy
+
+
+@functools.cache
+def wrapper(name: str):
+    """`mpnn` (the project's MPNN, cutoff 4 Å) or `mace` (random MACE, 2 layers, r_max 5 Å, correlation 3)."""
+    if name == "mpnn":
+        from nvalchemi_jaxbridge.mlip import MPNN, MPNNWrapper
+
+        return MPNNWrapper(MPNN([29, 79], cutoff=4.0))
+    if name == "mace":
+        from nvalchemi_jaxbridge.mlip.mace import MACEWrapper, random_mace
+
+        return MACEWrapper(random_mace([29, 79]))
+    raise KeyError(name)
+
+
+STRUCTURES = {
+    "cubic": dict(reps=(5, 5, 5)),                         # 500 atoms, rattled fcc Cu/Au
+    "triclinic": dict(reps=(5, 5, 5), triclinic=True),
+    "slab": dict(reps=(5, 5, 5), slab=True),               # periodic in x, y; open in z
+    "small": dict(reps=(3, 3, 3), triclinic=True),          # 108 atoms
+}
+
+
+@functools.cache
+def structure(name: str):
+    """A fresh copy is not needed: callers only read positions, numbers, cell and pbc."""
+    return alloy(**STRUCTURES[name])
