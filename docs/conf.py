@@ -34,7 +34,7 @@ nitpicky = True
 # No network in the build: names from other projects cannot be resolved, so they are not checked.
 # References to this package's own objects and pages are checked.
 nitpick_ignore_regex = [
-    (r"py:.*", r"(jax|jaxlib|numpy|np|torch|typing|collections|dataclasses|argparse|pathlib|os)(\..*)?"),
+    (r"py:.*", r"(jax|jaxlib|numpy|np|torch|typing|collections|dataclasses|argparse|pathlib|os|abc)(\..*)?"),
     (r"py:.*", r"(Any|Callable|Mapping|Iterable|Sequence|Iterator|TextIO|None|int|float|str|bool|dict|list|tuple)"),
     (r"py:class", r"nvalchemi_jaxbridge(\.\w+)*\._\w+"),  # private base classes are not documented
 ]

@@ -49,12 +49,17 @@ def _spec_show(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import json
 
-    from . import report, simulate
+    from . import model_run, report, simulate
 
+    is_model = args.model is not None or args.checkpoint is not None
+    model_run.check_options(model_run=is_model, given=vars(args))
+    if is_model:
+        return _run_model(args)
     config = simulate.RunConfig(
-        system=args.system, spec=args.spec, kernel=args.kernel, devices=args.devices, steps=args.steps,
+        system=args.system or "argon", spec=args.spec, kernel=args.kernel, devices=args.devices, steps=args.steps,
         dt=args.dt, temperature=args.temperature, langevin=args.langevin, cells=args.cells, seed=args.seed,
-        structure=args.structure, skin=args.skin, check_every=args.check_every, dtype=args.dtype,
+        structure=args.structure, skin=1.0 if args.skin is None else args.skin, check_every=args.check_every,
+        dtype=args.dtype,
     )
     bar = None
     if not args.quiet and sys.stderr.isatty():
@@ -74,6 +79,34 @@ def _run(args: argparse.Namespace) -> int:
         report.plot_run(result, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _run_model(args: argparse.Namespace) -> int:
+    import json
+
+    from . import model_run, report
+
+    given = {k: getattr(args, k) for k in ("dt", "temperature", "cells", "skin") if getattr(args, k) is not None}
+    config = model_run.ModelRunConfig(
+        model=args.model, checkpoint=args.checkpoint, seed=args.seed, devices=args.devices,
+        exchange=args.exchange or "per_layer", steps=args.steps, structure=args.structure,
+        check_every=args.check_every, dtype=args.dtype, rtol=args.rtol, **given,
+    )
+    bar = None
+    if not args.quiet and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=config.steps, desc="NVE", unit="step", file=sys.stderr)
+    try:
+        result = model_run.run_model(config, progress=None if bar is None else lambda done: bar.update(done - bar.n))
+    finally:
+        if bar is not None:
+            bar.close()
+    print(report.format_model_run(result))
+    if args.json_report:
+        with open(args.json_report, "w") as f:
+            json.dump(result.to_dict(), f, indent=1)
+    return 0 if result.ok else 1
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -119,9 +152,10 @@ def _build_parser() -> argparse.ArgumentParser:
     show.add_argument("--structure", default=None, help="read the sample system from this file (ASE)")
     show.add_argument("--op", default=None, help="module:attr implementing (or registering) the spec's op")
 
-    run = groups.add_parser("run", help="the demo: domain-decomposed MD from a spec file, with a parity report")
-    run.add_argument("--system", choices=("argon", "rocksalt"), default="argon",
-                     help="argon FCC (Lennard-Jones) or NaCl rock salt (DSF Coulomb, charged)")
+    run = groups.add_parser(
+        "run", help="the demo: domain-decomposed MD from a spec file (or of an MLIP, --model), with a parity report")
+    run.add_argument("--system", choices=("argon", "rocksalt"), default=None,
+                     help="argon FCC (Lennard-Jones, the default) or NaCl rock salt (DSF Coulomb, charged)")
     run.add_argument("--spec", default=None, help="spec file (default: examples/specs/ file for system and kernel)")
     run.add_argument("--kernel", choices=("torch", "torch-cells", "triton", "jax"), default=None,
                      help="torch custom op (default), torch-cells (the same LJ op with an O(N) cell list, "
@@ -135,13 +169,29 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--cells", type=int, default=None, help="cubic cells per axis (default 4 argon, 2 rock salt)")
     run.add_argument("--seed", type=int, default=0, help="velocity and noise seed")
     run.add_argument("--structure", default=None, help="read the system from an extended XYZ / ASE file")
-    run.add_argument("--skin", type=float, default=1.0, help="Verlet skin of the halo plan, Å (default 1.0)")
+    run.add_argument("--skin", type=float, default=None,
+                     help="Verlet skin of the halo plan, Å (default 1.0; 0.5 with --model)")
     run.add_argument("--check-every", type=int, default=10, help="steps between host rebuild checks (default 10)")
     run.add_argument("--dtype", choices=("float32", "float64"), default=None,
                      help="default float64 on the CPU, float32 on GPUs")
     run.add_argument("--json-report", default=None, metavar="PATH", help="write the report as JSON")
     run.add_argument("--plot", default=None, metavar="PNG", help="energy vs step and atoms per device (matplotlib)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    mlip = run.add_argument_group(
+        "message-passing model (--model / --checkpoint)",
+        "distribute an MLIP on the JAX front door, compare energy, forces and stress with the same model on one "
+        "device (exit 1 past --rtol), then run NVE; default structure: rattled fcc Cu/Au, --cells 3 (108 atoms); "
+        "--dt defaults to 1 fs, --temperature to 300 K")
+    mlip.add_argument("--model", choices=("mpnn", "mace"), default=None,
+                      help="the project's MPNN or a MACE (mace-torch), seeded random weights (--seed)")
+    mlip.add_argument("--checkpoint", default=None, metavar="FILE",
+                      help="a torch.save'd MPNN or MACE model to use instead of seeded weights")
+    mlip.add_argument("--exchange", choices=("per_layer", "deep_halo"), default=None,
+                      help="per_layer (halo of one cutoff, refresh between layers; default) or deep_halo "
+                           "(n_layers x cutoff, no exchange)")
+    mlip.add_argument("--rtol", type=float, default=None,
+                      help="parity tolerance, relative to the reference's largest value (default 1e-8 in float64, "
+                           "1e-4 in float32)")
 
     val = groups.add_parser("validate", help="single-device vs distributed parity of an op under a spec")
     val.add_argument("spec", help="spec file (JSON)")

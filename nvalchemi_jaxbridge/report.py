@@ -228,3 +228,42 @@ def plot_run(report: Any, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _rows_line(rows: Any) -> str:
+    """Owned + ghost rows per device, and the total."""
+    cells = [f"{r['owned']}+{r['ghost']}" for r in rows]
+    total = sum(r["owned"] + r["ghost"] for r in rows)
+    return f"{' '.join(cells)} (owned+ghost; {total} rows in all, {sum(r['edges'] for r in rows)} edges)"
+
+
+def format_model_run(report: Any) -> str:
+    """The human report of `model_run.run_model`."""
+    r, p = report, report.parity
+    flag = lambda key: "ok" if p[key] <= r.rtol else "FAIL"  # noqa: E731
+    e = r.nve_energy
+    steps = sorted(e)
+    lines = [
+        "nvalchemi-jaxbridge run --model: report",
+        f"  model        {r.model}, {r.source}: cutoff {r.cutoff:g} Å, {r.n_layers} layers, {r.n_params} parameters",
+        f"  system       {r.n_atoms} atoms on {r.n_devices} x {r.platform}, {r.dtype}",
+        f"  exchange     {r.exchange}: halo depth {r.halo_depth:g} Å + skin {r.skin:g} Å"
+        + (" (one cutoff; ghost features refreshed before every layer after the first)" if r.exchange == "per_layer"
+           else f" ({r.n_layers} x cutoff; no exchange between layers)"),
+        f"  rows/device  {_rows_line(r.rows_per_device)}",
+        f"               {r.other_exchange} would need {_rows_line(r.other_rows_per_device)}",
+        f"  parity       vs {r.reference}; tolerance {r.rtol:g} (relative to the reference's largest value)",
+        f"               energy   {r.energy:.10f} eV vs {r.energy_reference:.10f} eV: diff {p['energy_max_abs']:.3e} eV, "
+        f"rel {p['energy_rel']:.3e}  {flag('energy_rel')}",
+        f"               forces   max abs diff {p['forces_max_abs']:.3e} eV/Å, rel {p['forces_rel']:.3e}  "
+        f"{flag('forces_rel')}",
+        f"               stress   max abs diff {p['stress_max_abs']:.3e} eV/Å³, rel {p['stress_rel']:.3e}  "
+        f"{flag('stress_rel')}",
+        f"  compile      first evaluation {r.compile_s:.1f} s",
+    ]
+    if r.steps:
+        lines.append(
+            f"  nve          {r.steps} steps of {r.dt:g} fs: potential energy {e[steps[0]]:.6f} -> {e[steps[-1]]:.6f} eV; "
+            f"{r.rebuilds} layout(s) built; {1e3 * r.time_per_step_s:.1f} ms/step")
+    lines += [f"  wall         {r.wall_s:.1f} s", "  result       " + ("ok" if r.ok else "FAILED: parity outside tolerance")]
+    return "\n".join(lines)

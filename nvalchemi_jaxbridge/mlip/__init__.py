@@ -13,4 +13,5 @@ from .mpnn import MPNNWrapper as MPNNWrapper
 from .protocol import BlockGraph as BlockGraph
 from .protocol import MessagePassingWrapper as MessagePassingWrapper
 from .specs import RunSettings as RunSettings
+from .torch_model import TorchDistributedMLIP as TorchDistributedMLIP
 from .specs import default_spec as default_spec

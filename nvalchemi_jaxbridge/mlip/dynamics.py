@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..demo.md import MDState, verlet_step
+from ..demo.md import MDState, kinetic_energy, verlet_step
 from .jax_model import DistributedMLIP, ModelState
 
 
@@ -57,8 +57,8 @@ def nve(model: DistributedMLIP, positions: Any, velocities: Any, masses: Any, nu
         on_step: called as `on_step(step, positions, energy)` at every check (progress, logging).
 
     Returns:
-        `{"positions": {step: (N, 3)}, "energy": {step: eV}, "rebuilds": layouts built}`, with
-        one entry per check step (step 0 is the start).
+        `{"positions": {step: (N, 3)}, "energy": {step: eV}, "kinetic": {step: eV}, "rebuilds": layouts
+        built}`, with one entry per check step (step 0 is the start); `energy` is the potential energy.
     """
     if steps < 0 or check_every < 1:
         raise ValueError(f"nve: need steps >= 0 and check_every >= 1, got steps={steps}, check_every={check_every}.")
@@ -92,6 +92,7 @@ def nve(model: DistributedMLIP, positions: Any, velocities: Any, masses: Any, nu
 
     md, m, ref = start(layout, np.asarray(positions, dtype=np.float64), np.asarray(velocities, dtype=np.float64))
     traj, energies, rebuilds = {0: np.asarray(positions, dtype=np.float64).copy()}, {0: float(md.energy)}, 1
+    kinetic = {0: float(kinetic_energy(md.velocities, m))}  # padding rows have zero velocity
     done, chunk = 0, check_every
     while done < steps:
         n = min(chunk, steps - done)
@@ -111,9 +112,10 @@ def nve(model: DistributedMLIP, positions: Any, velocities: Any, masses: Any, nu
         md, done, chunk = new, done + n, min(check_every, 2 * chunk)
         x = layout.cs.to_global(md.positions)
         traj[done], energies[done] = x, float(md.energy)
+        kinetic[done] = float(kinetic_energy(md.velocities, m))
         if on_step is not None:
             on_step(done, x, float(md.energy))
         if done < steps and layout.plan.needs_rebuild(x):
             layout, md, m, ref = relayout(layout, md)
             rebuilds += 1
-    return {"positions": traj, "energy": energies, "rebuilds": rebuilds}
+    return {"positions": traj, "energy": energies, "kinetic": kinetic, "rebuilds": rebuilds}

@@ -37,9 +37,8 @@ from ..lower.tables import place
 from ..spec import DistributionSpec
 from .edges import EdgePlan
 from .protocol import MessagePassingWrapper, numpy_dtype
-from .specs import EXCHANGES, RunSettings, cell_volume, check_model, run_settings, stress_wanted
+from .specs import RunSettings, cell_volume, check_model, run_settings, stress_wanted
 from .stages import Stages
-
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..kernels.torch_fn import torch_function
-from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, like
+from .protocol import BlockGraph, MessagePassingWrapper, as_tuple
 
 
 def block_graph(positions: torch.Tensor, node_attrs: torch.Tensor, edges: torch.Tensor,
@@ -64,12 +64,9 @@ class Stages:
         def interaction(i: int):
             def fn(pos, attrs, edges, shifts, *h):
                 g = block_graph(pos, attrs, edges, shifts)
-                h_new, e = wrapper.interaction(i, g, like_h(h))
+                h_new, e = wrapper.interaction(i, g, h if n > 1 else h[0])
                 return (*as_tuple(h_new), e)
             return fn
-
-        def like_h(h: tuple[torch.Tensor, ...]) -> Any:
-            return like(h if n > 1 else h[0], h)
 
         def readout(pos, attrs, edges, shifts, e_sum):
             return wrapper.node_energies(block_graph(pos, attrs, edges, shifts), e_sum)
@@ -83,9 +80,8 @@ class Stages:
                 total = total + e
             return wrapper.node_energies(g, total)
 
-        first = n if n > 1 else 1
         return cls(
-            embed=torch_function(embed, 4, first, label=f"{name}_embed", call_path=call_path),
+            embed=torch_function(embed, 4, n, label=f"{name}_embed", call_path=call_path),
             interactions=tuple(
                 torch_function(interaction(i), 4 + n, n + 1, label=f"{name}_interaction_{i}", call_path=call_path)
                 for i in range(wrapper.n_layers)),

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import functools
+import os
 
 from tests.mlip._reference import alloy
+
+MACE_FILE = "JAXBRIDGE_TEST_MACE_FILE"  # a torch-saved copy of the test MACE, for worker processes
 
 
 @functools.cache
@@ -17,6 +20,11 @@ def wrapper(name: str):
     if name == "mace":
         from nvalchemi_jaxbridge.mlip.mace import MACEWrapper, random_mace
 
+        path = os.environ.get(MACE_FILE)
+        if path:  # building MACE takes seconds (its product-basis tables); workers load the test's copy
+            import torch
+
+            return MACEWrapper(torch.load(path, weights_only=False))
         return MACEWrapper(random_mace([29, 79]))
     raise KeyError(name)
 

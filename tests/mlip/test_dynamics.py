@@ -32,6 +32,11 @@ def test_nve_follows_the_one_device_trajectory():
     assert out["rebuilds"] >= 2  # the run crossed the skin at least once
     for step, x in out["positions"].items():
         np.testing.assert_allclose(x, want[step], rtol=0, atol=1e-8, err_msg=f"step {step}")
+    from nvalchemi_jaxbridge.demo.units import MVV2E
+
+    assert out["kinetic"][0] == pytest.approx(0.5 * MVV2E * np.sum(masses[:, None] * v * v), rel=1e-12)
+    total = {k: out["energy"][k] + out["kinetic"][k] for k in out["energy"]}
+    assert abs(total[100] - total[0]) < 1e-3 * len(atoms)  # NVE: the total energy is kept
 
 
 def test_a_step_too_long_for_the_skin_is_refused():

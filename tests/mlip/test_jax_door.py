@@ -66,7 +66,7 @@ MACE_CASES = [("cubic", 2, "per_layer"), ("triclinic", 4, "per_layer"), ("slab",
 @pytest.mark.slow
 @pytest.mark.parametrize("structure,n_devices,exchange", MACE_CASES)
 def test_mace_matches_its_own_forward(structure, n_devices, exchange):
-    pytest.importorskip("mace")
+    pytest.importorskip("mace", reason="needs mace-torch: pip install 'nvalchemi_jaxbridge[mlip]'")
     out, state = run("mace", structure, n_devices, exchange)
     check(out, expected("mace", structure))
     print(f"mace {structure} {exchange} rows per device:", state.rows_per_device())

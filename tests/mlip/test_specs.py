@@ -22,7 +22,6 @@ from nvalchemi_jaxbridge import (
     SPEC_MPNN_HALO,
     CompilePolicy,
     DistributionSpec,
-    GraphParallelPolicy,
     HaloStoragePolicy,
     MLIPSpec,
     RefreshOnlyHaloPolicy,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
@@ -35,9 +36,11 @@ def main() -> None:
         model_name, structure, exchange = case.split(":")
         wrapper = cases.wrapper(model_name)
         atoms = cases.structure(structure)
+        t0 = time.perf_counter()
         dm = TorchDistributedMLIP(wrapper, exchange=exchange)
         out = dm.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
         results[case] = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in out.items()}
+        print(f"rank {info.rank}: {case} in {time.perf_counter() - t0:.1f} s", flush=True)
     (out_dir / f"rank{info.rank}.json").write_text(json.dumps(results))
     print(f"rank {info.rank}/{info.world_size}: done", flush=True)
     distributed.shutdown()

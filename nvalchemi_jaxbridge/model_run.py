@@ -1,0 +1,396 @@
+"""The model-level job behind `nvalchemi-jaxbridge run --model`: a message-passing MLIP distributed, checked, run.
+
+    model (seeded MPNN / MACE, or a torch-saved one) -> DistributedMLIP (JAX front door)
+      -> energy, forces, stress against the same model on one device -> a short NVE run
+
+"One device" is the torch model on the whole periodic system, without the
+bridge: `MPNN.forward` or MACE's own `forward` on a neighbour list over
+periodic images (`periodic_graph`, numpy + scipy; MACE builds its own), and,
+for any other wrapper, its stages in order on that whole graph. Stress there is
+the strain derivative with positions and cell strained together, as on the
+distributed side.
+
+Call `simulate.configure_jax` before anything else touches JAX (`run_model` does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+MODELS = ("mpnn", "mace")
+#: Species of the seeded models and the default structure (Cu, Au), and their masses (amu).
+SPECIES = (29, 79)
+MASSES = {29: 63.546, 79: 196.966570}
+EXCHANGES = ("per_layer", "deep_halo")
+#: Options of the demo potentials (LJ / DSF) that a model run has no use for.
+DEMO_ONLY = ("system", "spec", "kernel", "langevin", "plot")
+#: Options of a model run that the demo potentials have no use for.
+MODEL_ONLY = ("exchange", "checkpoint", "rtol")
+
+
+def check_options(*, model_run: bool, given: dict[str, Any]) -> None:
+    """Refuse options of the other kind of run (`given`: option name -> value, None when not given).
+
+    Raises:
+        ValueError: a demo-only option with `--model` / `--checkpoint`, or a model-only one without.
+    """
+    names = DEMO_ONLY if model_run else MODEL_ONLY
+    if bad := [f"--{n}" for n in names if given.get(n) is not None]:
+        if model_run:
+            raise ValueError(
+                f"run: {', '.join(bad)} apply to the demo potentials (Lennard-Jones, DSF), not to a model run; "
+                "drop them, or drop --model / --checkpoint to run the demo."
+            )
+        raise ValueError(
+            f"run: {', '.join(bad)} apply to a model run; add --model mpnn|mace (or --checkpoint FILE)."
+        )
+
+
+# ------------------------------------------------------------------ config
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRunConfig:
+    """What `run_model` runs.
+
+    Attributes:
+        model: "mpnn" or "mace" (seeded random weights); with `checkpoint`, None or the checkpoint's kind.
+        checkpoint: a file `torch.save`d from an `MPNN` or a MACE model, used instead of seeded weights.
+        seed: weights of a seeded model, the rattle of the default structure, the velocities.
+        devices: devices of the mesh (default 8 on the CPU, all GPUs otherwise).
+        exchange: "per_layer" (halo of one cutoff + skin) or "deep_halo" (n_layers x cutoff + skin).
+        steps, dt, temperature: NVE steps, time step (fs), initial temperature (K).
+        cells: fcc cells per axis of the default rattled Cu/Au structure (4 atoms each).
+        structure: read this file (ASE) instead.
+        skin: Verlet skin of the layout (Å).
+        check_every: steps between host rebuild checks.
+        dtype: "float64" or "float32" (default float64 on the CPU, float32 on GPUs); the model is cast to it.
+        rtol: parity tolerance on each relative difference (default 1e-8 in float64, 1e-4 in float32).
+    """
+
+    model: str | None = "mpnn"
+    checkpoint: str | None = None
+    seed: int = 0
+    devices: int | None = None
+    exchange: str = "per_layer"
+    steps: int = 100
+    dt: float = 1.0
+    temperature: float = 300.0
+    cells: int = 3
+    structure: str | None = None
+    skin: float = 0.5
+    check_every: int = 10
+    dtype: str | None = None
+    rtol: float | None = None
+
+    def __post_init__(self):
+        if self.model is None and self.checkpoint is None:
+            raise ValueError("run: name a model (--model mpnn|mace) or a checkpoint (--checkpoint FILE).")
+        if self.model is not None and self.model not in MODELS:
+            raise ValueError(f"run: model must be one of {MODELS}, got {self.model!r}.")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"run: exchange must be one of {EXCHANGES}, got {self.exchange!r}.")
+        for name in ("steps", "check_every", "cells"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "steps" else 1):
+                raise ValueError(f"run: {name} must be an int >= {0 if name == 'steps' else 1}, got {v!r}.")
+        for name in ("dt", "temperature", "skin", "rtol"):
+            v = getattr(self, name)
+            positive = name == "dt"
+            if v is not None and not (np.isfinite(v) and (v > 0 if positive else v >= 0)):
+                raise ValueError(f"run: {name} must be a finite number {'> 0' if positive else '>= 0'}, got {v!r}.")
+        if self.dtype not in (None, "float32", "float64"):
+            raise ValueError(f"run: dtype must be 'float32' or 'float64', got {self.dtype!r}.")
+
+    def tolerance(self, dtype: str) -> float:
+        """The parity tolerance for a run in `dtype`."""
+        return self.rtol if self.rtol is not None else (1e-8 if dtype == "float64" else 1e-4)
+
+
+# ------------------------------------------------------------------ model and structure
+
+
+def load_wrapper(config: ModelRunConfig, dtype: str = "float64") -> Any:
+    """The run's model as a `MessagePassingWrapper`, cast to `dtype`."""
+    import torch
+
+    from .mlip import MPNN, MPNNWrapper
+
+    tdtype = getattr(torch, dtype)
+    if config.checkpoint is None:
+        if config.model == "mpnn":
+            return MPNNWrapper(MPNN(SPECIES, seed=config.seed).to(tdtype))  # the same weights in either dtype
+        from .mlip.mace import MACEWrapper, random_mace
+
+        return MACEWrapper(random_mace(SPECIES, seed=config.seed, dtype=tdtype))
+    model = torch.load(config.checkpoint, map_location="cpu", weights_only=False)
+    kind = "mpnn" if isinstance(model, MPNN) else "mace" if type(model).__module__.startswith("mace.") else None
+    if kind is None:
+        what = "a state_dict" if isinstance(model, dict) else f"a {type(model).__module__}.{type(model).__name__}"
+        raise ValueError(
+            f"run: --checkpoint {config.checkpoint} holds {what}, not an MPNN or MACE model; save the whole "
+            "module with torch.save(model, path) (for another model, write a MessagePassingWrapper: docs/guide.md)."
+        )
+    if config.model is not None and config.model != kind:
+        raise ValueError(
+            f"run: --checkpoint {config.checkpoint} holds a {kind} model but --model {config.model} was given; "
+            f"use --model {kind} or drop --model."
+        )
+    model = model.to(tdtype).eval()
+    if kind == "mpnn":
+        return MPNNWrapper(model)
+    from .mlip.mace import MACEWrapper
+
+    return MACEWrapper(model)
+
+
+def alloy(cells: int = 3, *, a: float = 3.75, rattle: float = 0.1, seed: int = 0) -> Any:
+    """Rattled fcc Cu/Au (species drawn at random): `cells` cubic cells of 4 atoms along each axis, periodic."""
+    from .demo.systems import System
+
+    base = np.array([[0.0, 0.0, 0.0], [0.0, 0.5, 0.5], [0.5, 0.0, 0.5], [0.5, 0.5, 0.0]])
+    grid = np.stack(np.meshgrid(*(np.arange(cells),) * 3, indexing="ij"), -1).reshape(-1, 1, 3)
+    rng = np.random.default_rng(seed)
+    pos = ((grid + base).reshape(-1, 3) * a) + rng.normal(scale=rattle, size=(4 * cells**3, 3))
+    numbers = rng.choice(np.asarray(SPECIES), len(pos))
+    return System(positions=pos, cell=np.eye(3) * a * cells, periodic=(True, True, True),
+                  masses=np.array([MASSES[int(z)] for z in numbers]), atomic_numbers=numbers)
+
+
+def make_structure(config: ModelRunConfig) -> Any:
+    """The run's structure (the default alloy or the file), with Maxwell-Boltzmann velocities."""
+    from .demo import systems
+
+    s = systems.read_structure(config.structure) if config.structure else alloy(config.cells, seed=config.seed)
+    return s.with_temperature(config.temperature, seed=config.seed) if s.velocities is None else s
+
+
+# ------------------------------------------------------------------ the single-device reference
+
+
+def periodic_graph(positions: np.ndarray, cell: np.ndarray, periodic: Any, cutoff: float
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Every pair within `cutoff` over periodic images: edges `(2, E)` sender -> receiver, integer shifts `(E, 3)`.
+
+    The edge vector is `pos[receiver] - pos[sender] + shifts @ cell` (the `BlockGraph` convention);
+    positions need not be wrapped.
+    """
+    from scipy.spatial import cKDTree
+
+    from .demo.reference import image_shifts
+
+    pos, cell = np.asarray(positions, dtype=np.float64), np.asarray(cell, dtype=np.float64)
+    per = np.broadcast_to(np.asarray(periodic, dtype=bool), (3,))
+    frame = np.where(per, np.floor(pos @ np.linalg.inv(cell)), 0.0) if per.any() else np.zeros_like(pos)
+    wrapped = pos - frame @ cell
+    tree = cKDTree(wrapped)
+    send, recv, unit = [], [], []
+    for s in image_shifts(cell, tuple(per), cutoff):
+        hits = tree.query_ball_point(wrapped + s @ cell, r=cutoff)  # receivers of each sender image
+        j = np.repeat(np.arange(len(pos)), [len(h) for h in hits])
+        i = np.fromiter((k for h in hits for k in h), dtype=np.int64, count=len(j))
+        if not s.any():
+            j, i = j[i != j], i[i != j]
+        send.append(j)
+        recv.append(i)
+        unit.append(frame[j] - frame[i] - s)
+    return np.stack([np.concatenate(send), np.concatenate(recv)]), np.concatenate(unit)
+
+
+def single_device_reference(wrapper: Any, positions: np.ndarray, numbers: np.ndarray, cell: np.ndarray,
+                            pbc: Any = True) -> dict[str, Any]:
+    """Energy, forces, stress (ASE's sign) and atomic energies of the whole system on one device, by torch.
+
+    `MPNNWrapper`: `MPNN.forward`; `MACEWrapper`: MACE's own `forward` (its own neighbour list); any
+    other wrapper: its stages in order on the whole periodic graph. `how` says which.
+    """
+    import torch
+
+    from .mlip import MPNNWrapper
+    from .mlip.protocol import BlockGraph
+
+    if type(wrapper).__name__ == "MACEWrapper":
+        return _mace_reference(wrapper.model, positions, numbers, cell, pbc)
+    if isinstance(wrapper, MPNNWrapper):
+        fn, how = wrapper.model.forward, "MPNN.forward on the whole periodic system (one device)"
+    else:
+        def fn(pos, attrs, edge_index, shifts):
+            g = BlockGraph(pos, attrs, edge_index, shifts)
+            h, total = wrapper.embed(g), torch.zeros(len(pos), dtype=pos.dtype)
+            for i in range(wrapper.n_layers):
+                h, e = wrapper.interaction(i, g, h)
+                total = total + e
+            return wrapper.node_energies(g, total)
+
+        how = f"{type(wrapper).__name__} stages on the whole periodic system (one device)"
+    dtype = wrapper.dtype
+    cell = np.asarray(cell, dtype=np.float64)
+    ei, unit = periodic_graph(positions, cell, pbc, wrapper.cutoff)
+    pos = torch.tensor(np.asarray(positions, dtype=np.float64), dtype=dtype, requires_grad=True)
+    eps = torch.zeros((3, 3), dtype=dtype, requires_grad=True)
+    sym = (eps + eps.T) / 2
+    cell_t = torch.tensor(cell, dtype=dtype)
+    shifts = torch.tensor(unit, dtype=dtype) @ (cell_t + cell_t @ sym)
+    attrs = torch.tensor(wrapper.node_attrs(np.asarray(numbers)), dtype=dtype)
+    node_e = fn(pos + pos @ sym, attrs, torch.as_tensor(ei, dtype=torch.int64), shifts)
+    energy = node_e.sum()
+    g_pos, g_eps = torch.autograd.grad(energy, (pos, eps), allow_unused=True)
+    g_eps = torch.zeros_like(eps) if g_eps is None else g_eps
+    return {"energy": float(energy.detach()), "forces": -g_pos.detach().numpy(),
+            "stress": g_eps.detach().numpy() / abs(float(np.linalg.det(cell))),
+            "atomic_energies": node_e.detach().numpy(), "how": how}
+
+
+def _mace_reference(model: Any, positions: np.ndarray, numbers: np.ndarray, cell: np.ndarray, pbc: Any
+                    ) -> dict[str, Any]:
+    """MACE's own forward on the whole system (its own data pipeline and neighbour list)."""
+    import ase
+    import torch
+    from mace import data as mdata
+    from mace.tools import torch_geometric, utils
+
+    atoms = ase.Atoms(numbers=np.asarray(numbers), positions=np.asarray(positions), cell=np.asarray(cell), pbc=pbc)
+    z_table = utils.AtomicNumberTable([int(z) for z in model.atomic_numbers.tolist()])
+    dtype = next(model.parameters()).dtype
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # AtomicData takes positions and cell in the default dtype
+    try:
+        ad = mdata.AtomicData.from_config(mdata.config_from_atoms(atoms), z_table=z_table, cutoff=float(model.r_max))
+    finally:
+        torch.set_default_dtype(default)
+    batch = torch_geometric.batch.Batch.from_data_list([ad]).to_dict()
+    batch = {k: (v.to(dtype) if torch.is_floating_point(v) else v) for k, v in batch.items()}
+    out = model(batch, training=False, compute_force=True, compute_stress=True)
+    return {"energy": float(out["energy"][0].detach()), "forces": out["forces"].detach().numpy(),
+            "stress": out["stress"][0].detach().numpy(), "atomic_energies": out["node_energy"].detach().numpy(),
+            "how": "MACE's own forward on the whole periodic system (one device)"}
+
+
+def parity(got: dict[str, Any], want: dict[str, Any]) -> dict[str, float]:
+    """Differences of a distributed result from the reference: absolute and relative (to the reference's max)."""
+    tiny = np.finfo(np.float64).tiny
+    out = {}
+    for key in ("energy", "forces", "stress", "atomic_energies"):
+        if key not in got or key not in want:
+            continue
+        a, b = np.asarray(got[key], dtype=np.float64), np.asarray(want[key], dtype=np.float64)
+        err = float(np.max(np.abs(a - b), initial=0.0))
+        out[f"{key}_max_abs"] = err
+        out[f"{key}_rel"] = err / max(float(np.max(np.abs(b), initial=0.0)), tiny)
+    return out
+
+
+# ------------------------------------------------------------------ report
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRunReport:
+    """What a model run measured. `to_dict()` is the `--json-report` content; `ok` is the exit status."""
+
+    model: str
+    source: str
+    cutoff: float
+    n_layers: int
+    n_params: int
+    n_atoms: int
+    n_devices: int
+    platform: str
+    dtype: str
+    exchange: str
+    halo_depth: float
+    skin: float
+    energy: float
+    energy_reference: float
+    parity: dict[str, float]
+    rtol: float
+    reference: str
+    rows_per_device: tuple[dict[str, int], ...]
+    other_exchange: str
+    other_rows_per_device: tuple[dict[str, int], ...]
+    compile_s: float
+    steps: int
+    dt: float
+    nve_energy: dict[int, float]
+    rebuilds: int
+    time_per_step_s: float
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        """Energy, forces and stress all within `rtol` (relative to the reference's largest value)."""
+        return all(v <= self.rtol for k, v in self.parity.items() if k in ("energy_rel", "forces_rel", "stress_rel"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field plus `ok`."""
+        d = dataclasses.asdict(self)
+        d["nve_energy"] = {str(k): v for k, v in self.nve_energy.items()}
+        d["ok"] = self.ok
+        return d
+
+
+# ------------------------------------------------------------------ the job
+
+
+def run_model(config: ModelRunConfig, *, progress: Callable[[int], Any] | None = None) -> ModelRunReport:
+    """Distribute the model, compare it with one device, then run `config.steps` NVE steps.
+
+    Args:
+        config: what to run.
+        progress: called with the number of steps done at each rebuild check (e.g. a tqdm update).
+
+    Returns:
+        The `ModelRunReport` (`report.ok` is False when a parity difference exceeds the tolerance).
+    """
+    from .mlip import DistributedMLIP
+    from .mlip.dynamics import nve
+    from .mlip.jax_model import build_layout
+    from .simulate import configure_jax
+
+    t_start = time.perf_counter()
+    devices, dtype = configure_jax(config.devices, dtype=config.dtype)
+    wrapper = load_wrapper(config, dtype)
+    s = make_structure(config)
+    pos, z, cell, pbc = s.positions, s.atomic_numbers, s.cell, s.periodic
+    n_dev = len(devices)
+    model = DistributedMLIP(wrapper, n_devices=n_dev, exchange=config.exchange, skin=config.skin)
+    state = model.prepare(pos, z, cell, pbc)
+    t0 = time.perf_counter()
+    got = model.evaluate(pos, z, cell, pbc, state=state, stress=True)
+    compile_s = time.perf_counter() - t0
+    want = single_device_reference(wrapper, pos, z, cell, pbc)
+    other = EXCHANGES[1 - EXCHANGES.index(config.exchange)]
+    o_plan, o_edges, *_ = build_layout(wrapper, other, pos, z, cell, pbc, n_devices=n_dev, skin=config.skin,
+                                       headroom=model.headroom)
+    other_rows = tuple({"owned": int(o_plan.n_owned[d]), "ghost": int(o_plan.n_ghost[d]),
+                        "edges": int(o_edges.n_edges[d])} for d in range(n_dev))
+
+    marks: list[tuple[int, float]] = []
+
+    def on_step(step: int, _x: np.ndarray, _e: float) -> None:
+        marks.append((step, time.perf_counter()))
+        if progress is not None:
+            progress(step)
+
+    traj = {"energy": {0: got["energy"]}, "rebuilds": 0}
+    if config.steps:
+        traj = nve(model, pos, s.velocities, s.masses, z, cell, pbc, steps=config.steps, dt=config.dt,
+                   check_every=config.check_every, on_step=on_step)
+    per_step = ((marks[-1][1] - marks[0][1]) / (marks[-1][0] - marks[0][0]) if len(marks) > 1 else float("nan"))
+    return ModelRunReport(
+        model=wrapper.name, source=config.checkpoint or f"seeded random weights (seed {config.seed})",
+        cutoff=float(wrapper.cutoff), n_layers=int(wrapper.n_layers),
+        n_params=int(sum(p.numel() for p in getattr(wrapper, "model").parameters())),
+        n_atoms=len(pos), n_devices=n_dev, platform=devices[0].platform, dtype=dtype, exchange=config.exchange,
+        halo_depth=float(model.halo_depth), skin=float(config.skin),
+        energy=float(got["energy"]), energy_reference=float(want["energy"]), parity=parity(got, want),
+        rtol=config.tolerance(dtype), reference=want["how"],
+        rows_per_device=tuple(state.rows_per_device()), other_exchange=other, other_rows_per_device=other_rows,
+        compile_s=float(compile_s), steps=config.steps, dt=float(config.dt),
+        nve_energy={int(k): float(v) for k, v in traj["energy"].items()}, rebuilds=int(traj["rebuilds"]),
+        time_per_step_s=float(per_step), wall_s=float(time.perf_counter() - t_start),
+    )
