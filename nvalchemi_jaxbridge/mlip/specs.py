@@ -55,6 +55,24 @@ def default_spec() -> Any:
     )
 
 
+def as_mlip_spec(spec: Any) -> Any:
+    """`spec` as an `MLIPSpec` (a bare `DistributionSpec` gets the default envelope).
+
+    Raises:
+        TypeError: `spec` is neither kind.
+    """
+    from ..spec import MLIPSpec
+
+    if isinstance(spec, DistributionSpec):
+        spec = dataclasses.replace(default_spec(), distribution=spec)
+    if not isinstance(spec, MLIPSpec):
+        raise TypeError(
+            f"a distributed model needs an MLIPSpec or DistributionSpec, got {type(spec).__name__}; "
+            "load one with nvalchemi_jaxbridge.load_spec(path).mlip, or leave spec=None for the wrapper's own."
+        )
+    return spec
+
+
 def run_settings(spec: Any, *, per_layer: bool) -> RunSettings:
     """Read `spec` (an `MLIPSpec`, or a bare `DistributionSpec`) for a distributed model run.
 
@@ -63,16 +81,7 @@ def run_settings(spec: Any, *, per_layer: bool) -> RunSettings:
         ValueError: a field asks for something this model level cannot do (the message
             names the field and the fix).
     """
-    from ..spec import MLIPSpec
-
-    if isinstance(spec, DistributionSpec):
-        base = default_spec()
-        spec = dataclasses.replace(base, distribution=spec)
-    if not isinstance(spec, MLIPSpec):
-        raise TypeError(
-            f"a distributed model needs an MLIPSpec or DistributionSpec, got {type(spec).__name__}; "
-            "load one with nvalchemi_jaxbridge.load_spec(path).mlip, or leave spec=None for the wrapper's own."
-        )
+    spec = as_mlip_spec(spec)
     policy = spec.distribution.policy
     if policy is None or getattr(policy, "kind", None) not in ("halo", "refresh_halo"):
         kind = "local" if policy is None else policy.kind

@@ -2,8 +2,9 @@
 
 Each rank runs the wrapper's stages eagerly in torch on its own block. The
 layers are small `nn.Module`s (`StagedModel.layers`); the per-layer exchange is
-declared as one `ModuleForwardAdapter` per layer after the first (the
-DistributionSpec's third-party helpers, installed around each evaluation), whose
+declared as one `ModuleForwardAdapter` per layer after the first, added to the
+model's spec as third-party helpers (`distribution_spec()`) and installed with
+the spec's other adapters around each evaluation; the adapter's
 forward refreshes the incoming node features (`torch.functions.refresh_halo`)
 before the layer runs. Autograd runs the adjoint exchanges: every rank
 differentiates its own owned node energies, and the exchanges' backward programs
@@ -25,7 +26,7 @@ from ..spec import AdapterRegistry, ModuleForwardAdapter
 from ..torch import functions as F
 from .edges import EdgePlan
 from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, like, numpy_dtype
-from .specs import RunSettings, cell_volume, check_model, run_settings, stress_wanted
+from .specs import RunSettings, as_mlip_spec, cell_volume, check_model, run_settings, stress_wanted
 
 
 class _Layer(torch.nn.Module):
@@ -85,10 +86,14 @@ class TorchDistributedMLIP:
                  skin: float = 0.5, headroom: float = 1.2) -> None:
         check_model(wrapper, exchange, skin, "TorchDistributedMLIP")
         self.wrapper, self.exchange, self.skin, self.headroom = wrapper, exchange, float(skin), float(headroom)
-        self.settings: RunSettings = run_settings(wrapper.distribution_spec() if spec is None else spec,
-                                                  per_layer=exchange == "per_layer")
+        self.spec = as_mlip_spec(wrapper.distribution_spec() if spec is None else spec)
+        self.settings: RunSettings = run_settings(self.spec, per_layer=exchange == "per_layer")
         self.model = StagedModel(wrapper)
         self._ctx: Any = None
+
+    def distribution_spec(self) -> Any:
+        """The spec this driver installs: the model's, plus the per-layer refresh adapters."""
+        return self.spec.with_adapters(*self.refresh_adapters())
 
     def refresh_adapters(self) -> tuple[ModuleForwardAdapter, ...]:
         """The per-layer exchange as adapters: layer i >= 1 gets its input features refreshed first."""
@@ -166,7 +171,8 @@ class TorchDistributedMLIP:
         attrs = torch.tensor(np.concatenate([attrs, np.zeros((1, attrs.shape[1]), attrs.dtype)]), dtype=dtype)
         graph = self._graph(block, attrs, state.edges.edges[rank, : state.edges.n_edges[rank]])
         registry = AdapterRegistry()
-        registry.install(self.refresh_adapters())
+        installed = self.distribution_spec().distribution
+        registry.install((*installed.custom_ops, *installed.third_party_helpers))
         try:
             node_e = self.model(graph)
             partial = node_e[:n_own].sum()

@@ -12,8 +12,10 @@ import numpy as np
 import torch
 
 
-def alloy(reps=(4, 4, 4), a=3.75, *, rattle=0.1, seed=0, species=(29, 79), triclinic=False, slab=False):
-    """Rattled fcc Cu/Au (random species); optionally a sheared cell or a slab open in z (vacuum 8 Å)."""
+def alloy(reps=(4, 4, 4), a=3.75, *, rattle=0.1, seed=0, species=(29, 79), triclinic=False, slab=False,
+          half_empty=False):
+    """Rattled fcc Cu/Au (random species); optionally a sheared cell, a slab open in z (vacuum 8 Å), or
+    with the atoms of the far half of the box (scaled x >= 0.45) removed, so that some domains are empty."""
     from ase.build import bulk
 
     atoms = bulk("Cu", "fcc", a=a, cubic=True).repeat(reps)
@@ -25,6 +27,8 @@ def alloy(reps=(4, 4, 4), a=3.75, *, rattle=0.1, seed=0, species=(29, 79), tricl
         cell[2] += 0.13 * cell[0] - 0.17 * cell[1]
         atoms.set_cell(cell, scale_atoms=True)
     atoms.positions += rng.normal(scale=rattle, size=atoms.positions.shape)
+    if half_empty:
+        atoms = atoms[atoms.get_scaled_positions()[:, 0] < 0.45]
     if slab:
         atoms.pbc = (True, True, False)
         cell = atoms.cell.array.copy()

@@ -34,6 +34,7 @@ STRUCTURES = {
     "triclinic": dict(reps=(5, 5, 5), triclinic=True),
     "slab": dict(reps=(5, 5, 5), slab=True),               # periodic in x, y; open in z
     "small": dict(reps=(3, 3, 3), triclinic=True),          # 108 atoms
+    "half": dict(reps=(5, 5, 5), half_empty=True),          # 225 atoms in one half of the box: empty domains
 }
 
 

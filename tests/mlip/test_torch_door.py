@@ -28,7 +28,7 @@ pytestmark = pytest.mark.multiprocess
 
 ALL_RUNS = {
     2: ["mpnn:cubic:per_layer", "mpnn:slab:deep_halo", "mace:triclinic:per_layer"],
-    4: ["mpnn:triclinic:per_layer", "mace:slab:per_layer", "mpnn:cubic:deep_halo"],
+    4: ["mpnn:triclinic:per_layer", "mpnn:half:per_layer", "mace:slab:per_layer", "mpnn:cubic:deep_halo"],
 }
 HAVE_MACE = importlib.util.find_spec("mace") is not None
 RUNS = {w: [c for c in cs if HAVE_MACE or not c.startswith("mace:")] for w, cs in ALL_RUNS.items()}
@@ -75,6 +75,8 @@ def test_every_rank_gets_the_one_device_result(ranks, world, case):
         np.testing.assert_allclose(got["forces"], want["forces"], rtol=0, atol=1e-8, err_msg=f"rank {r}")
         np.testing.assert_allclose(got["stress"], want["stress"], rtol=0, atol=1e-9, err_msg=f"rank {r}")
         np.testing.assert_allclose(got["atomic_energies"], want["atomic_energies"], rtol=0, atol=1e-9)
+    if structure == "half":
+        assert min(len(res[case]["owned_ids"]) for res in ranks[world]) == 0  # a rank without atoms
 
 
 def test_shard_tensor_positions_into_an_unadapted_mace_raise():
