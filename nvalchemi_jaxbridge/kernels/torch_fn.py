@@ -3,7 +3,9 @@
 `torch_function(fn, n_inputs, n_outputs)` defines a torch op whose only kernel is
 `CompositeImplicitAutograd`: its body is `fn` itself. `TorchOpKernel` then runs it
 like any custom op (DLPack views of XLA's buffers, the FFI handler or
-`buffer_callback`, output shapes from a fake-tensor run of `fn`), and its backward
+`buffer_callback`; output shapes from one run of `fn` on zero-filled tensors at trace
+time, since model code such as TorchScript fusion groups cannot run on fake tensors
+on a GPU), and its backward
 re-runs `fn` under torch autograd, so `jax.grad` through a stage differentiates
 the torch code itself. Weights `fn` closes over stay torch tensors (no gradient
 flows to them from JAX).
@@ -73,6 +75,7 @@ def torch_function(
         return tuple(out) if n_outputs > 1 else (out[0] if isinstance(out, (tuple, list)) else out)
 
     lib.impl(name, body, "CompositeImplicitAutograd")
-    kernel = TorchOpKernel(getattr(getattr(torch.ops, _NAMESPACE), name).default, call_path=call_path)
+    kernel = TorchOpKernel(getattr(getattr(torch.ops, _NAMESPACE), name).default, call_path=call_path,
+                           check_grad=False, shape_probe="real")
     kernel._library = lib  # the op lives as long as its kernel
     return kernel

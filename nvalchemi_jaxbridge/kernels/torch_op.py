@@ -32,6 +32,7 @@ the same for its backward (which follows the forward's path).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import os
@@ -273,6 +274,15 @@ class TorchOpKernel:
             "ffi": only the FFI handler (a `KernelError` says why a call cannot);
             "callback": only `buffer_callback`. `call_path_of(...)` and
             `backward_path_of(...)` tell which path a call takes.
+        check_grad: check at trace time, on fake tensors, that torch can differentiate the
+            op (default True; the check names the op and the fix). `torch_function` turns it
+            off: a stage's body is differentiable where its torch code is, and a fake-tensor
+            backward through TorchScript that has run for real (e3nn's tensor products) can
+            launch real kernels on fake storage on a GPU.
+        shape_probe: how output shapes are found at trace time: "fake" (default: the op on
+            fake tensors, no computation) or "real" (the op once on zero-filled tensors on
+            the device; for code that fake tensors cannot run, such as TorchScript fusion
+            groups on a GPU). `torch_function` uses "real".
 
     Call it like the op: tensors as JAX arrays (shape and dtype as torch expects),
     everything else (numbers, bools, strings, None) as Python values, positional
@@ -284,7 +294,8 @@ class TorchOpKernel:
     """
 
     def __init__(
-        self, op: Any, *, outputs: Sequence[int | str] | None = None, call_path: str = "auto"
+        self, op: Any, *, outputs: Sequence[int | str] | None = None, call_path: str = "auto",
+        check_grad: bool = True, shape_probe: str = "fake",
     ) -> None:
         op = _as_overload(op)
         self.op = op
@@ -314,6 +325,10 @@ class TorchOpKernel:
                 f"{list(_CALL_PATHS)} (\"auto\" takes the compiled FFI handler where it can)."
             )
         self.call_path = call_path
+        self.check_grad = bool(check_grad)
+        if shape_probe not in ("fake", "real"):
+            raise KernelError(f"shape_probe={shape_probe!r} for op {self.name}: use 'fake' or 'real'.")
+        self.shape_probe = shape_probe
         self._cache: dict[Any, _Call] = {}
         self._lock = threading.Lock()
 
@@ -665,21 +680,26 @@ class TorchOpKernel:
 
         _triton_interp.patch_interpreter()
         device = self._fake_device()
+        real = self.shape_probe == "real" and not grad
         # Real tensors an op closes over (a model stage's weights) are allowed: fake mode reads
-        # only their metadata.
-        # TorchScript's profiling executor guards its specialised graphs with value checks
-        # (aten::equal) that fake tensors cannot answer (e3nn's compiled tensor products, once
-        # they have run for real); the unoptimised interpreter computes the same shapes.
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.jit.optimized_execution(False):
+        # only their metadata. TorchScript's profiling executor guards its specialised graphs
+        # with value checks (aten::equal) that fake tensors cannot answer (e3nn's compiled
+        # tensor products, once they have run for real); the unoptimised interpreter computes
+        # the same shapes.
+        fake = contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=True)
+        with fake, torch.jit.optimized_execution(False):
             leaves, vals = [], list(statics)
             for i, a in zip(array_pos, arrays):
                 where = f"argument {self._params[i].name!r} of op {self.name}"
-                t = torch.empty(tuple(a.shape), dtype=torch_dtype(a.dtype, where), device=device)
+                t = torch.zeros(tuple(a.shape), dtype=torch_dtype(a.dtype, where), device=device)
                 if grad and _is_inexact(a.dtype):
                     leaves.append(t.requires_grad_(True))
                     t = t.clone() if self._params[i].mutable else t
                 vals[i] = t
-            with torch.enable_grad() if grad else torch.no_grad():
+            # The backward of the probe stays on this thread: autograd's device threads would not see
+            # the unoptimised-TorchScript setting above (on a GPU, TorchScript then runs real kernels
+            # on fake storage).
+            with (torch.enable_grad() if grad else torch.no_grad()), torch.autograd.set_multithreading_enabled(False):
                 res = self._returns(self._call_op(vals))
                 if grad:
                     res = res + tuple(vals[i] for i in array_pos if self._params[i].mutable)
@@ -835,7 +855,9 @@ class TorchOpKernel:
         return callback
 
     def _check_differentiable(self, call: _Call, arrays: Sequence[Any]) -> None:
-        """Trace-time check, on fake tensors, that torch can differentiate the op."""
+        """Trace-time check, on fake tensors, that torch can differentiate the op (unless `check_grad` is off)."""
+        if not self.check_grad:
+            return
         fix = (
             f"Register a backward formula with torch.library.register_autograd({self.name.split('.')[0]!r}, "
             f"backward, setup_context=...), or do not differentiate through this op "

@@ -57,8 +57,9 @@ def nve(model: DistributedMLIP, positions: Any, velocities: Any, masses: Any, nu
         on_step: called as `on_step(step, positions, energy)` at every check (progress, logging).
 
     Returns:
-        `{"positions": {step: (N, 3)}, "energy": {step: eV}, "kinetic": {step: eV}, "rebuilds": layouts
-        built}`, with one entry per check step (step 0 is the start); `energy` is the potential energy.
+        `positions` (step -> `(N, 3)`), `energy` (step -> potential energy, eV),
+        `kinetic` (step -> kinetic energy, eV), one entry per check step (step 0 is the start),
+        and `rebuilds` (how many layouts were built).
     """
     if steps < 0 or check_every < 1:
         raise ValueError(f"nve: need steps >= 0 and check_every >= 1, got steps={steps}, check_every={check_every}.")

@@ -53,7 +53,7 @@ class ModelState:
     edges: EdgePlan
     cs: Any  # CompiledSpec: the plan's tables on the mesh
     edge_table: jax.Array  # (D * edge_capacity, 2) int32, P(axis)
-    pad_row: jax.Array  # (D,) int32, P(axis)
+    spare: jax.Array  # (D * edge_capacity,) int32 padding row of each edge slot, P(axis)
     attrs: jax.Array  # (D * owned_capacity, A) node attributes, owned storage
     numbers: np.ndarray
     cell: np.ndarray
@@ -82,25 +82,26 @@ class _Aux:
 
 jax.tree_util.register_pytree_node(
     ModelState,
-    lambda s: ((s.cs, s.edge_table, s.pad_row, s.attrs), _Aux(s)),
-    lambda aux, ch: dataclasses.replace(aux.state, cs=ch[0], edge_table=ch[1], pad_row=ch[2], attrs=ch[3]),
+    lambda s: ((s.cs, s.edge_table, s.spare, s.attrs), _Aux(s)),
+    lambda aux, ch: dataclasses.replace(aux.state, cs=ch[0], edge_table=ch[1], spare=ch[2], attrs=ch[3]),
 )
 
 
-def active_edges(pos: jax.Array, edges: jax.Array, pad: jax.Array, cutoff: float, far: float
+def active_edges(pos: jax.Array, edges: jax.Array, spare: jax.Array, cutoff: float, far: float
                  ) -> tuple[jax.Array, jax.Array]:
     """Edges within `cutoff` at `pos` kept, the others made padding edges; and each edge's shift.
 
     Args:
-        pos: `(rows, 3)` block positions; edges: `(E, 2)` (sender, receiver); pad: `(1,)` pad row.
+        pos: `(rows, 3)` block positions; edges: `(E, 2)` (sender, receiver); spare: `(E,)` the
+            padding row of each edge slot (a real sender is always a lower row).
 
     Returns:
         `(E, 2)` int32 edges and `(E, 3)` shifts (zero for real edges, `far` along x for padding).
     """
     p = jax.lax.stop_gradient(pos)
     vec = p[edges[:, 1]] - p[edges[:, 0]]
-    keep = (edges[:, 0] != pad[0]) & (jnp.sum(vec * vec, axis=1) < cutoff * cutoff)
-    out = jnp.where(keep[:, None], edges, pad[0])
+    keep = (edges[:, 0] != spare) & (jnp.sum(vec * vec, axis=1) < cutoff * cutoff)
+    out = jnp.where(keep[:, None], edges, spare[:, None])
     shift = jnp.where(keep[:, None], jnp.zeros((), pos.dtype), jnp.asarray([far, 0.0, 0.0], pos.dtype))
     return out.astype(jnp.int32), shift
 
@@ -168,7 +169,8 @@ class DistributedMLIP:
         self.settings: RunSettings = run_settings(wrapper.distribution_spec() if spec is None else spec,
                                                   per_layer=exchange == "per_layer")
         self.mesh = mesh if mesh is not None else make_mesh(n_devices)
-        self.stages = Stages.of(wrapper, call_path=call_path)
+        gpu = self.mesh.devices.flat[0].platform == "gpu"
+        self.stages = Stages.of(wrapper, call_path=call_path, device="cuda" if gpu else "cpu")
         self._value_and_grad = jax.jit(jax.value_and_grad(self.energy_fn, argnums=(1, 2), has_aux=True))
 
     # ---------------------------------------------------------------- layout
@@ -190,7 +192,7 @@ class DistributedMLIP:
                periodic: tuple[bool, bool, bool], cs: Any = None) -> ModelState:
         cs = lower_compile(DistributionSpec(self.settings.policy), self.mesh, plan) if cs is None else cs.with_plan(plan)
         row = NamedSharding(self.mesh, P(cs.axis))
-        return ModelState(plan, edges, cs, place(edges.edges.reshape(-1, 2), row), place(edges.pad_row, row),
+        return ModelState(plan, edges, cs, place(edges.edges.reshape(-1, 2), row), place(edges.spare.reshape(-1), row),
                           cs.owned(attrs), numbers, cell, periodic)
 
     def needs_rebuild(self, state: ModelState, positions: Any) -> bool:
@@ -225,11 +227,11 @@ class DistributedMLIP:
         axis, policy, deep = cs.axis, self.settings.policy, self.exchange == "deep_halo"
         far = 3.0 * (w.cutoff + self.skin) + 1.0
 
-        def body(t, edges, pad, attrs, pos, eps):
+        def body(t, edges, spare, attrs, pos, eps):
             pos_h = C.halo_forward(pos, t, axis, positions=True)
             pos_h = pos_h + pos_h @ ((eps + eps.T) / 2).astype(pos_h.dtype)
             attrs_h = C.halo_forward(attrs, t, axis)
-            e_idx, shifts = active_edges(pos_h, edges, pad, w.cutoff, far)
+            e_idx, shifts = active_edges(pos_h, edges, spare, w.cutoff, far)
             graph = (pos_h, attrs_h, e_idx, shifts)
             if deep:
                 node_e = st.whole(*graph)
@@ -250,7 +252,7 @@ class DistributedMLIP:
         smap = jax.shard_map(
             body, mesh=cs.mesh, in_specs=(cs.tables.specs(axis), P(axis), P(axis), P(axis), P(axis), P()),
             out_specs=(P(), P(axis)), check_vma=True)
-        return smap(cs.tables, state.edge_table, state.pad_row, state.attrs, pos_owned, strain)
+        return smap(cs.tables, state.edge_table, state.spare, state.attrs, pos_owned, strain)
 
     def energy_and_gradients(self, state: ModelState, pos_owned: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """`(energy, node energies, dE/dpositions (owned storage), dE/dstrain (3, 3))`, one jitted program."""

@@ -30,15 +30,15 @@ def block_graph(positions: torch.Tensor, node_attrs: torch.Tensor, edges: torch.
     return BlockGraph(positions, node_attrs, edges.to(torch.int64).t(), shifts)
 
 
-def _n_features(wrapper: MessagePassingWrapper) -> int:
-    """How many tensors `wrapper.embed` returns (probed on a two-row fake block)."""
+def _n_features(wrapper: MessagePassingWrapper, device: torch.device) -> int:
+    """How many tensors `wrapper.embed` returns (probed on a two-row fake block on `device`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     n_attrs = wrapper.node_attrs(np.zeros(0, dtype=np.int64)).shape[1]
     with FakeTensorMode(allow_non_fake_inputs=True):
-        pos = torch.zeros((2, 3), dtype=wrapper.dtype)
-        g = BlockGraph(pos, torch.zeros((2, n_attrs), dtype=wrapper.dtype),
-                       torch.zeros((2, 1), dtype=torch.int64), torch.ones((1, 3), dtype=wrapper.dtype))
+        f = {"dtype": wrapper.dtype, "device": device}
+        g = BlockGraph(torch.zeros((2, 3), **f), torch.zeros((2, n_attrs), **f),
+                       torch.zeros((2, 1), dtype=torch.int64, device=device), torch.ones((1, 3), **f))
         return len(as_tuple(wrapper.embed(g)))
 
 
@@ -53,9 +53,12 @@ class Stages:
     n_features: int
 
     @classmethod
-    def of(cls, wrapper: MessagePassingWrapper, *, call_path: str = "auto") -> Stages:
-        """Define the stage ops of `wrapper` (once per wrapper; they close over its weights)."""
-        n = _n_features(wrapper)
+    def of(cls, wrapper: MessagePassingWrapper, *, call_path: str = "auto", device: str = "cpu") -> Stages:
+        """Define the stage ops of `wrapper` (once per wrapper; they close over its weights).
+
+        `device`: where the model's weights live ("cpu" or "cuda"), for the shape probes.
+        """
+        n = _n_features(wrapper, torch.device(device))
         name = wrapper.name
 
         def embed(pos, attrs, edges, shifts):
