@@ -38,15 +38,12 @@ cost, not addressed here). Sizes grow until the time budget is spent or a run
 runs out of memory (later sizes of that run and dtype are then skipped); rows
 are written as they are measured, so a timeout leaves a partial table.
 
-TorchScript: by default (`--torchscript off`) the script sets PYTORCH_JIT=0 and
-e3nn's `jit_script_fx=False`, so the model runs eagerly for both native and
-bridge runs. Under e3nn's TorchScript (MACE's usual setting) the bridge fails on
-GPU: the trace-time fake-tensor differentiability check of the second interaction
-stage fails inside the TorchScript interpreter and the CUDA context is left with
-an illegal memory access (H200, torch 2.11; the CPU passes). `--torchscript on
---modes native` times MACE's usual TorchScript model natively, for reference.
-The bridge model is also built with its weights on the CPU and moved to the GPU
-afterwards: `mlip.stages._n_features` probes the embedding on CPU fake tensors.
+TorchScript: `--torchscript off` (default) sets PYTORCH_JIT=0 and e3nn's
+`jit_script_fx=False`, so the model runs eagerly for both native and bridge runs;
+`--torchscript on` keeps e3nn's TorchScript (MACE's usual setting) for both. The
+bridge's stage ops find their output shapes by one run on zero-filled device
+tensors (`TorchOpKernel(shape_probe="real")`), since TorchScript fusion groups
+cannot run on fake tensors on a GPU (RESULTS.md, "MACE on one H200 after three fixes").
 
 Memory: native, `torch.cuda.max_memory_allocated` over its runs; bridge, torch's
 peak over its runs (the stages' intermediates) plus JAX's `peak_bytes_in_use`,
@@ -315,9 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20, help="most timed calls per run")
     p.add_argument("--warmup", type=int, default=None, help="warm-up calls after the first (default 2, smoke 0)")
     p.add_argument("--torchscript", choices=("off", "on"), default="off",
-                   help="off (default): PYTORCH_JIT=0 and e3nn jit_script_fx=False, the model runs eagerly (the "
-                        "bridge's stage ops need it on GPU, see the module docstring); on: e3nn's TorchScript "
-                        "defaults (MACE's usual setting; native runs only)")
+                   help="off (default): PYTORCH_JIT=0 and e3nn jit_script_fx=False, the model runs eagerly; "
+                        "on: e3nn's TorchScript defaults (MACE's usual setting), native and bridge")
     p.add_argument("--probe-only", action="store_true", help="run the scatter probe alone (no model runs)")
     p.add_argument("--no-scatter-probe", action="store_true", help="skip the index_add_ padding-row probe")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first failed (not out-of-memory) section")
@@ -374,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                    "intermediates) + JAX peak_bytes_in_use (process peak so far, never reset)"),
         "TorchScript": ("off: PYTORCH_JIT=0 and e3nn jit_script_fx=False, native and bridge run the same eager "
                         "model code" if a.torchscript == "off" else
-                        "on: e3nn's defaults (TorchScript tensor products and spherical harmonics), native only"),
+                        "on: e3nn's defaults (TorchScript tensor products and spherical harmonics), native and bridge"),
         "torch TF32 matmul": str(torch.backends.cuda.matmul.allow_tf32),
         "budget": f"{a.budget_s:.0f} s",
     }
