@@ -39,7 +39,7 @@ def want() -> dict:
     return reference(w.model, atoms, w.cutoff, w.node_attrs(atoms.numbers))
 
 
-def evaluate(spec, n_devices=4, **kwargs) -> dict:
+def evaluate(spec, n_devices=2, **kwargs) -> dict:
     atoms = cases.structure(STRUCTURE)
     dm = DistributedMLIP(cases.wrapper("mpnn"), spec=spec, n_devices=n_devices)
     return dm.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc, **kwargs)
@@ -83,11 +83,11 @@ def test_force_strategies_other_than_node_energy_raise(strategy):
 def test_owned_only_outputs_come_back_as_owned_storage():
     spec = dataclasses.replace(default_spec(), owned_only_outputs=("forces",))
     atoms = cases.structure(STRUCTURE)
-    dm = DistributedMLIP(cases.wrapper("mpnn"), spec=spec, n_devices=4)
+    dm = DistributedMLIP(cases.wrapper("mpnn"), spec=spec, n_devices=2)
     state = dm.prepare(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
     out = dm.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc, state=state)
     assert isinstance(out["forces"], jax.Array)
-    assert out["forces"].shape == (4 * state.plan.owned_capacity, 3)
+    assert out["forces"].shape == (2 * state.plan.owned_capacity, 3)
     np.testing.assert_allclose(state.cs.to_global(out["forces"]), want()["forces"], rtol=0, atol=1e-8)
     assert isinstance(out["atomic_energies"], np.ndarray)  # not listed: global order
 
