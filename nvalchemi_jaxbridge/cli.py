@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def _spec_check(args: argparse.Namespace) -> int:
@@ -47,8 +48,6 @@ def _spec_show(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import json
-
     from . import model_run, report, simulate
 
     is_model = args.model is not None or args.checkpoint is not None
@@ -61,20 +60,9 @@ def _run(args: argparse.Namespace) -> int:
         structure=args.structure, skin=1.0 if args.skin is None else args.skin, check_every=args.check_every,
         dtype=args.dtype,
     )
-    bar = None
-    if not args.quiet and sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(total=config.steps, desc="MD", unit="step", file=sys.stderr)
-    try:
-        result = simulate.run(config, progress=None if bar is None else lambda done: bar.update(done - bar.n))
-    finally:
-        if bar is not None:
-            bar.close()
+    result = _with_progress(args, config.steps, "MD", lambda progress: simulate.run(config, progress=progress))
     print(report.format_run(result))
-    if args.json_report:
-        with open(args.json_report, "w") as f:
-            json.dump(result.to_dict(), f, indent=1)
+    _write_json(args, result)
     if args.plot:
         report.plot_run(result, args.plot)
         print(f"wrote {args.plot}")
@@ -82,8 +70,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_model(args: argparse.Namespace) -> int:
-    import json
-
     from . import model_run, report
 
     given = {k: getattr(args, k) for k in ("dt", "temperature", "cells", "skin") if getattr(args, k) is not None}
@@ -92,21 +78,33 @@ def _run_model(args: argparse.Namespace) -> int:
         exchange=args.exchange or "per_layer", steps=args.steps, structure=args.structure,
         check_every=args.check_every, dtype=args.dtype, rtol=args.rtol, **given,
     )
+    result = _with_progress(args, config.steps, "NVE", lambda progress: model_run.run_model(config, progress=progress))
+    print(report.format_model_run(result))
+    _write_json(args, result)
+    return 0 if result.ok else 1
+
+
+def _with_progress(args: argparse.Namespace, total: int, desc: str, run: Any) -> Any:
+    """`run(progress)` with a tqdm bar on an interactive stderr (none with --quiet)."""
     bar = None
     if not args.quiet and sys.stderr.isatty():
         from tqdm import tqdm
 
-        bar = tqdm(total=config.steps, desc="NVE", unit="step", file=sys.stderr)
+        bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr)
     try:
-        result = model_run.run_model(config, progress=None if bar is None else lambda done: bar.update(done - bar.n))
+        return run(None if bar is None else lambda done: bar.update(done - bar.n))
     finally:
         if bar is not None:
             bar.close()
-    print(report.format_model_run(result))
+
+
+def _write_json(args: argparse.Namespace, result: Any) -> None:
+    """The run's JSON report, if --json-report asked for one."""
     if args.json_report:
+        import json
+
         with open(args.json_report, "w") as f:
             json.dump(result.to_dict(), f, indent=1)
-    return 0 if result.ok else 1
 
 
 def _validate(args: argparse.Namespace) -> int:
