@@ -140,12 +140,11 @@ def refresh(x_halo: jax.Array, tables: HaloTables | ShardTables, axis: str, poli
     _tables_for(kind, tables, "refresh")
     if kind in _HALO_KINDS:
         C._check_rows("refresh", x_halo, tables.halo_rows, "halo storage")
-        if policy.gather_mode != "halo_read":
-            return x_halo
+    if not exchanges_of(policy)[0]:
+        return x_halo
+    if kind in _HALO_KINDS:
         return C.halo_forward(C.slice_owned(x_halo, tables), tables, axis)
-    if kind == "graph_parallel":
-        return C.gather_full(x_halo, tables, axis)
-    return x_halo
+    return C.gather_full(x_halo, tables, axis)
 
 
 def fold(x_halo: jax.Array, tables: HaloTables | ShardTables, axis: str, policy: Any) -> jax.Array:
@@ -173,9 +172,7 @@ def fold(x_halo: jax.Array, tables: HaloTables | ShardTables, axis: str, policy:
     _tables_for(kind, tables, "fold")
     if kind in _HALO_KINDS:
         C._check_rows("fold", x_halo, tables.halo_rows, "halo storage")
-        if kind == "halo" and policy.scatter_mode == "halo_correction":
-            return C.halo_scatter(x_halo, tables, axis)
-    return x_halo
+    return C.halo_scatter(x_halo, tables, axis) if exchanges_of(policy)[1] else x_halo
 
 
 # ------------------------------------------------------- CompiledSpec methods

@@ -588,15 +588,15 @@ def refresh_halo(ctx_or_plan: Any, block: torch.Tensor, policy: Any = None) -> t
     Raises:
         ValueError: the policy's storage differs from the plan's, or the block has the wrong rows.
     """
+    from ..lower.exchange import exchanges_of
+
     ctx, policy, kind = _policy_rows(ctx_or_plan, block, policy, "refresh_halo")
+    if not exchanges_of(policy)[0]:
+        return block
     if kind in ("halo", "refresh_halo"):
-        if policy.gather_mode != "halo_read":
-            return block
         return halo_from_owned(ctx, block[: ctx.n_owned], positions=False)
-    if kind == "graph_parallel":
-        full = gather_owned(ctx, block[: ctx.n_owned])
-        return full if block.shape[0] == ctx.n_owned else torch.cat([full, block[ctx.n_owned:]])
-    return block
+    full = gather_owned(ctx, block[: ctx.n_owned])  # graph parallel
+    return full if block.shape[0] == ctx.n_owned else torch.cat([full, block[ctx.n_owned:]])
 
 
 def fold_halo(ctx_or_plan: Any, block: torch.Tensor, policy: Any = None) -> torch.Tensor:
@@ -618,8 +618,10 @@ def fold_halo(ctx_or_plan: Any, block: torch.Tensor, policy: Any = None) -> torc
     Raises:
         ValueError: the policy's storage differs from the plan's, or the block has the wrong rows.
     """
-    ctx, policy, kind = _policy_rows(ctx_or_plan, block, policy, "fold_halo")
-    if kind == "halo" and policy.scatter_mode == "halo_correction":
+    from ..lower.exchange import exchanges_of
+
+    ctx, policy, _ = _policy_rows(ctx_or_plan, block, policy, "fold_halo")
+    if exchanges_of(policy)[1]:
         step = scatter_outputs_step(ctx, tuple(block.shape), _jax_dtype(block))
         return apply(ScatterOutputsFn, block, step)
     return block
