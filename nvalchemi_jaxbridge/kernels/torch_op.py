@@ -696,10 +696,7 @@ class TorchOpKernel:
                     leaves.append(t.requires_grad_(True))
                     t = t.clone() if self._params[i].mutable else t
                 vals[i] = t
-            # The backward of the probe stays on this thread: autograd's device threads would not see
-            # the unoptimised-TorchScript setting above (on a GPU, TorchScript then runs real kernels
-            # on fake storage).
-            with (torch.enable_grad() if grad else torch.no_grad()), torch.autograd.set_multithreading_enabled(False):
+            with torch.enable_grad() if grad else torch.no_grad():
                 res = self._returns(self._call_op(vals))
                 if grad:
                     res = res + tuple(vals[i] for i in array_pos if self._params[i].mutable)
