@@ -106,6 +106,11 @@ def active_edges(pos: jax.Array, edges: jax.Array, spare: jax.Array, cutoff: flo
     return out.astype(jnp.int32), shift
 
 
+def halo_depth(wrapper: MessagePassingWrapper, exchange: str) -> float:
+    """Halo width without skin: one cutoff (per-layer exchange) or n_layers cutoffs (deep halo)."""
+    return wrapper.cutoff if exchange == "per_layer" else wrapper.n_layers * wrapper.cutoff
+
+
 def build_layout(wrapper: MessagePassingWrapper, exchange: str, positions: Any, numbers: Any, cell: Any, pbc: Any,
                  *, n_devices: int, skin: float, headroom: float) -> tuple[HaloPlan, EdgePlan, np.ndarray, np.ndarray,
                                                                           tuple[bool, bool, bool]]:
@@ -119,9 +124,8 @@ def build_layout(wrapper: MessagePassingWrapper, exchange: str, positions: Any, 
         )
     periodic = tuple(bool(p) for p in np.broadcast_to(np.asarray(pbc, dtype=bool), (3,)))
     cell = np.asarray(cell, dtype=np.float64).reshape(3, 3)
-    depth = wrapper.cutoff if exchange == "per_layer" else wrapper.n_layers * wrapper.cutoff
-    plan = HaloPlan.build(pos, cell, periodic=periodic, cutoff=depth, skin=skin, n_devices=n_devices,
-                          headroom=headroom)
+    plan = HaloPlan.build(pos, cell, periodic=periodic, cutoff=halo_depth(wrapper, exchange), skin=skin,
+                          n_devices=n_devices, headroom=headroom)
     edges = EdgePlan.build(plan, pos, cutoff=wrapper.cutoff, receivers="owned" if exchange == "per_layer" else "all",
                            headroom=headroom)
     return plan, edges, numbers, cell, periodic
@@ -178,8 +182,7 @@ class DistributedMLIP:
     @property
     def halo_depth(self) -> float:
         """Halo width without skin: one cutoff (per-layer) or n_layers cutoffs (deep halo)."""
-        w = self.wrapper
-        return w.cutoff if self.exchange == "per_layer" else w.n_layers * w.cutoff
+        return halo_depth(self.wrapper, self.exchange)
 
     def prepare(self, positions: Any, numbers: Any, cell: Any, pbc: Any = True) -> ModelState:
         """The layout for one geometry: halo plan, block edges, device tables, node attributes."""
@@ -201,8 +204,7 @@ class DistributedMLIP:
 
     def update(self, state: ModelState, positions: Any) -> ModelState:
         """`state` if it still holds for `positions`, else a rebuilt layout (capacities kept or grown)."""
-        pos = np.asarray(positions, dtype=np.float64)
-        return self.rebuild(state, pos) if state.plan.needs_rebuild(pos) else state
+        return self.rebuild(state, positions) if self.needs_rebuild(state, positions) else state
 
     def rebuild(self, state: ModelState, positions: Any) -> ModelState:
         """A new layout for `positions` with `state`'s capacities (grown where they no longer fit)."""

@@ -25,7 +25,6 @@ from typing import Any
 from ..lower import exchange as X
 from ..spec import DistributionSpec, HaloStoragePolicy
 
-STRATEGIES = ("framework_from_node_energy", "framework_from_global_energy", "model_internal")
 DEFAULT_STRATEGY = "framework_from_node_energy"
 EXCHANGES = ("per_layer", "deep_halo")
 
