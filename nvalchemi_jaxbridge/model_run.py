@@ -212,7 +212,7 @@ def single_device_reference(wrapper: Any, positions: np.ndarray, numbers: np.nda
     import torch
 
     from .mlip import MPNNWrapper
-    from .mlip.protocol import BlockGraph
+    from .mlip.protocol import BlockGraph, node_energies_of
 
     if type(wrapper).__name__ == "MACEWrapper":
         return _mace_reference(wrapper.model, positions, numbers, cell, pbc)
@@ -220,12 +220,7 @@ def single_device_reference(wrapper: Any, positions: np.ndarray, numbers: np.nda
         fn, how = wrapper.model.forward, "MPNN.forward on the whole periodic system (one device)"
     else:
         def fn(pos, attrs, edge_index, shifts):
-            g = BlockGraph(pos, attrs, edge_index, shifts)
-            h, total = wrapper.embed(g), torch.zeros(len(pos), dtype=pos.dtype)
-            for i in range(wrapper.n_layers):
-                h, e = wrapper.interaction(i, g, h)
-                total = total + e
-            return wrapper.node_energies(g, total)
+            return node_energies_of(wrapper, BlockGraph(pos, attrs, edge_index, shifts))
 
         how = f"{type(wrapper).__name__} stages on the whole periodic system (one device)"
     dtype = wrapper.dtype

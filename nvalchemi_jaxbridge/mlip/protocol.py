@@ -113,6 +113,16 @@ class MessagePassingWrapper(abc.ABC):
         return default_spec()
 
 
+def node_energies_of(wrapper: MessagePassingWrapper, g: BlockGraph) -> torch.Tensor:
+    """`(rows,)` node energies of the whole model on `g` in one go: every stage in order, no exchange."""
+    h = wrapper.embed(g)
+    total = torch.zeros(g.n_rows, dtype=g.positions.dtype, device=g.positions.device)
+    for i in range(wrapper.n_layers):
+        h, e = wrapper.interaction(i, g, h)
+        total = total + e
+    return wrapper.node_energies(g, total)
+
+
 def as_tuple(h: Features) -> tuple[torch.Tensor, ...]:
     """Node features as a tuple of tensors."""
     return tuple(h) if isinstance(h, (tuple, list)) else (h,)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..kernels.torch_fn import torch_function
-from .protocol import BlockGraph, MessagePassingWrapper, as_tuple
+from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, node_energies_of
 
 
 def block_graph(positions: torch.Tensor, node_attrs: torch.Tensor, edges: torch.Tensor,
@@ -75,13 +75,7 @@ class Stages:
             return wrapper.node_energies(block_graph(pos, attrs, edges, shifts), e_sum)
 
         def whole(pos, attrs, edges, shifts):
-            g = block_graph(pos, attrs, edges, shifts)
-            h = wrapper.embed(g)
-            total = torch.zeros(g.n_rows, dtype=pos.dtype, device=pos.device)
-            for i in range(wrapper.n_layers):
-                h, e = wrapper.interaction(i, g, h)
-                total = total + e
-            return wrapper.node_energies(g, total)
+            return node_energies_of(wrapper, block_graph(pos, attrs, edges, shifts))
 
         return cls(
             embed=torch_function(embed, 4, n, label=f"{name}_embed", call_path=call_path),
