@@ -10,15 +10,12 @@ raises instead of returning a per-rank energy.
 from __future__ import annotations
 
 import importlib.util
-import io
-import json
-import os
 import pathlib
 
 import numpy as np
 import pytest
 
-from nvalchemi_jaxbridge.torch.launch import launch
+from tests._launch import run_ranks
 from tests.mlip import cases
 from tests.mlip._reference import mace_reference, reference
 
@@ -36,18 +33,13 @@ RUNS = {w: [c for c in cs if HAVE_MACE or not c.startswith("mace:")] for w, cs i
 
 def _launch(world: int, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp(f"mlip{world}")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
+    env = {}
     if HAVE_MACE:
         import torch
 
         torch.save(cases.wrapper("mace").model, out / "mace.pt")
         env[cases.MACE_FILE] = str(out / "mace.pt")
-    log = io.StringIO()
-    code = launch([str(WORKER), str(out), ",".join(RUNS[world])], world, timeout_s=280, env=env, out=log)
-    if code != 0:
-        pytest.fail(f"{world}-process run exited with {code}; log:\n{log.getvalue()[-6000:]}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return run_ranks(WORKER, world, out, [",".join(RUNS[world])], timeout_s=280, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,12 @@ copies on all ranks), never from the exchange tables. The adjoint identities
 
 from __future__ import annotations
 
-import io
-import json
-import os
 import pathlib
 
 import numpy as np
 import pytest
 
-from nvalchemi_jaxbridge.torch.launch import launch
+from tests._launch import run_ranks
 from tests.torch import model
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -30,14 +27,7 @@ pytestmark = pytest.mark.multiprocess
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
 def ranks(request, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     world = request.param
-    out_dir = tmp_path_factory.mktemp(f"exchange{world}")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
-    log = io.StringIO()
-    code = launch([str(WORKER), str(out_dir)], world, timeout_s=240, env=env, out=log)
-    if code != 0:
-        pytest.fail(f"{world}-process run exited with {code}; log:\n{log.getvalue()[-6000:]}")
-    return [json.loads((out_dir / f"rank{r}_exchange.json").read_text()) for r in range(world)]
+    return run_ranks(WORKER, world, tmp_path_factory.mktemp(f"exchange{world}"), result="rank{rank}_exchange.json")
 
 
 def _plan(world: int):

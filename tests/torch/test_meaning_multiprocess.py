@@ -7,15 +7,12 @@ and every rank's gradient with exactly one on owned rows (not the world size).
 
 from __future__ import annotations
 
-import io
-import json
-import os
 import pathlib
 
 import numpy as np
 import pytest
 
-from nvalchemi_jaxbridge.torch.launch import launch
+from tests._launch import run_ranks
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "torch" / "meaning_worker.py"
@@ -25,14 +22,7 @@ pytestmark = pytest.mark.multiprocess
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("meaning")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
-    log = io.StringIO()
-    code = launch([str(WORKER), str(out_dir)], 2, timeout_s=240, env=env, out=log)
-    if code != 0:
-        pytest.fail(f"2-process run exited with {code}; log:\n{log.getvalue()[-6000:]}")
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    return run_ranks(WORKER, 2, tmp_path_factory.mktemp("meaning"))
 
 
 def _values() -> np.ndarray:

@@ -10,16 +10,13 @@ contract is one local block per process: that is the path users run.
 
 from __future__ import annotations
 
-import io
-import json
-import os
 import pathlib
 import sys
 
 import numpy as np
 import pytest
 
-from nvalchemi_jaxbridge.torch.launch import launch
+from tests._launch import run_ranks
 from tests.torch import model
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -30,14 +27,7 @@ pytestmark = pytest.mark.multiprocess
 
 def _run(world: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Launch the worker on `world` processes; the per-rank results (or a failure with the log)."""
-    out_dir = tmp_path_factory.mktemp(f"world{world}")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
-    log = io.StringIO()
-    code = launch([str(WORKER), str(out_dir)], world, timeout_s=240, env=env, out=log)
-    if code != 0:
-        pytest.fail(f"{world}-process run exited with {code}; log:\n{log.getvalue()[-6000:]}")
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
+    return run_ranks(WORKER, world, tmp_path_factory.mktemp(f"world{world}"))
 
 
 @pytest.fixture(scope="module")
