@@ -141,7 +141,7 @@ def make_case(system: str, cells: int, reps: tuple[int, int, int] = (1, 1, 1)) -
     from nvalchemi_jaxbridge.demo import argon_fcc, rock_salt
 
     s = argon_fcc(cells, temperature=60.0) if system == "argon" else rock_salt(cells, temperature=300.0)
-    from nvalchemi_jaxbridge.simulate import wrap
+    from nvalchemi_jaxbridge.app.run_config import wrap
 
     rng = np.random.default_rng(cells)
     # wrapped into the block before tiling (HaloPlan itself no longer needs wrapped positions: it plans
@@ -177,7 +177,7 @@ def force_op(system: str, kernel: str):
     import md_step
 
     if kernel == "jax":
-        from nvalchemi_jaxbridge.simulate import potential_for
+        from nvalchemi_jaxbridge.app.run_config import potential_for
 
         return potential_for(system).jax_block()
     return md_step.op_for(SYSTEM_KIND[system], kernel)
@@ -283,7 +283,7 @@ def run_case(case: Case, n_dev: int, a: Any, platform: str) -> Result:
     import jax
     import md_step
 
-    from nvalchemi_jaxbridge.report import collectives
+    from nvalchemi_jaxbridge.app.report import collectives
     from nvalchemi_jaxbridge.spec import OpAdapter
 
     scalars = params_for(case.system, a.cutoff).args()

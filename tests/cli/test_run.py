@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nvalchemi_jaxbridge import simulate
-from nvalchemi_jaxbridge.cli import main
+from nvalchemi_jaxbridge.app import run_config, simulate
+from nvalchemi_jaxbridge.app.cli import main
 from nvalchemi_jaxbridge.demo import jax_potentials, md, params, systems
 from nvalchemi_jaxbridge.layout import HaloPlan
 
@@ -24,13 +24,13 @@ def _single_device_force(system):
 
 def test_energy_drift_matches_single_device_over_1000_steps_and_no_atom_is_lost():
     # 32 argon atoms on 2 devices, JAX kernel; a thin skin forces many rebuilds (each asserts every atom).
-    cfg = simulate.RunConfig(kernel="jax", cells=2, devices=2, steps=1000, dt=5.0, temperature=60.0, skin=0.8,
+    cfg = run_config.RunConfig(kernel="jax", cells=2, devices=2, steps=1000, dt=5.0, temperature=60.0, skin=0.8,
                              check_every=10)
     report = simulate.run(cfg)
     assert len(report.rebuilds) >= 5 and report.n_atoms == 32
     assert sum(report.owned_per_device) == 32
 
-    system = simulate.make_system(cfg)
+    system = run_config.make_system(cfg)
     force = _single_device_force(system)
     masses = jnp.asarray(system.masses)
     state = md.init_state(force, jnp.asarray(system.positions), jnp.asarray(system.velocities))
@@ -49,10 +49,10 @@ def test_energy_drift_matches_single_device_over_1000_steps_and_no_atom_is_lost(
 
 
 def test_langevin_matches_single_device_baoab_with_the_same_noise():
-    cfg = simulate.RunConfig(kernel="jax", cells=2, devices=4, steps=30, dt=5.0, temperature=80.0, langevin=0.01,
+    cfg = run_config.RunConfig(kernel="jax", cells=2, devices=4, steps=30, dt=5.0, temperature=80.0, langevin=0.01,
                              seed=3, skin=0.4, check_every=5)
     report = simulate.run(cfg)
-    system = simulate.make_system(cfg)
+    system = run_config.make_system(cfg)
     force = _single_device_force(system)
     masses = jnp.asarray(system.masses)
     state = md.init_state(force, jnp.asarray(system.positions), jnp.asarray(system.velocities))
@@ -76,7 +76,7 @@ def test_rebuild_keeps_every_atom_when_atoms_cross_the_cell(monkeypatch):
         return real(self, positions, **kw)
 
     monkeypatch.setattr(HaloPlan, "rebuild", spy)
-    cfg = simulate.RunConfig(kernel="jax", cells=2, devices=8, steps=40, dt=5.0, temperature=3000.0, skin=0.5,
+    cfg = run_config.RunConfig(kernel="jax", cells=2, devices=8, steps=40, dt=5.0, temperature=3000.0, skin=0.5,
                              check_every=2)
     report = simulate.run(cfg)
     assert seen and all(seen) and len(report.rebuilds) == len(seen)
@@ -121,7 +121,7 @@ def test_cli_run_triton_kernel_matches_numpy(tmp_path):
 
 
 def test_rocksalt_torch_kernel_matches_numpy():
-    report = simulate.run(simulate.RunConfig(system="rocksalt", cells=1, devices=2, steps=2))
+    report = simulate.run(run_config.RunConfig(system="rocksalt", cells=1, devices=2, steps=2))
     assert report.op == "jaxbridge_demo::dsf_energy_forces" and report.n_atoms == 8
     assert report.parity_force_max_rel < 1e-10 and report.parity_energy_rel < 1e-10
 
@@ -151,7 +151,7 @@ def test_run_reads_a_structure_file(tmp_path):
     atoms = systems.argon_fcc(2).to_ase()
     atoms.positions += np.random.default_rng(0).normal(scale=0.05, size=atoms.positions.shape)
     ase.io.write(xyz, atoms)
-    report = simulate.run(simulate.RunConfig(structure=str(xyz), devices=2, steps=2, kernel="jax"))
+    report = simulate.run(run_config.RunConfig(structure=str(xyz), devices=2, steps=2, kernel="jax"))
     assert report.n_atoms == 32 and report.parity_force_max_rel < 1e-10
     assert report.call_path == "-"  # a JAX kernel has no torch call path
 

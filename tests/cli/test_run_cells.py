@@ -8,8 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from nvalchemi_jaxbridge import simulate
-from nvalchemi_jaxbridge.cli import _build_parser, main
+from nvalchemi_jaxbridge.app import run_config, simulate
+from nvalchemi_jaxbridge.app.cli import _build_parser, main
 
 # 32 argon atoms on 2 devices, hot and with a thin skin: plan rebuilds happen within the 8 steps.
 ARGS = ["run", "--cells", "2", "--devices", "2", "--steps", "8", "--temperature", "600", "--skin", "0.3",
@@ -57,14 +57,14 @@ def test_cells_kernel_errors_name_the_fix(argv, match, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: run: ") and re.search(match, err), err
     with pytest.raises(ValueError, match=match):
-        simulate.RunConfig(**{a[2:]: b for a, b in zip(argv[::2], argv[1::2])})
+        run_config.RunConfig(**{a[2:]: b for a, b in zip(argv[::2], argv[1::2])})
 
 
 def test_cli_offers_every_kernel_the_job_knows(capsys):
-    for kernel in simulate.KERNELS:
+    for kernel in run_config.KERNELS:
         assert _build_parser().parse_args(["run", "--kernel", kernel]).kernel == kernel
-    for (system, kernel), name in simulate.DEFAULT_SPECS.items():
-        assert simulate.RunConfig(system=system, kernel=kernel).spec_path().endswith(name)
+    for (system, kernel), name in run_config.DEFAULT_SPECS.items():
+        assert run_config.RunConfig(system=system, kernel=kernel).spec_path().endswith(name)
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     assert "torch-cells (the same LJ op with an O(N) cell list" in " ".join(capsys.readouterr().out.split())

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from nvalchemi_jaxbridge import model_run
-from nvalchemi_jaxbridge.cli import main
+from nvalchemi_jaxbridge.app import model_run
+from nvalchemi_jaxbridge.app.cli import main
 from nvalchemi_jaxbridge.mlip import MPNN, MessagePassingWrapper, MPNNWrapper
 from tests.mlip._reference import reference
 

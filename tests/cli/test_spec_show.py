@@ -7,8 +7,8 @@ import re
 
 import numpy as np
 
-from nvalchemi_jaxbridge import report
-from nvalchemi_jaxbridge.cli import main
+from nvalchemi_jaxbridge.app import report
+from nvalchemi_jaxbridge.app.cli import main
 from nvalchemi_jaxbridge.demo import params, systems
 from nvalchemi_jaxbridge.kernels import compile as kcompile
 from nvalchemi_jaxbridge.layout import HaloPlan
@@ -17,7 +17,7 @@ from nvalchemi_jaxbridge.spec import load_spec
 
 
 def test_spec_show_counts_agree_with_the_compiled_program(capsys):
-    assert main(["spec", "show", "examples/specs/dsf_rocksalt.json", "--devices", "4"]) == 0
+    assert main(["spec", "show", "nvalchemi_jaxbridge/app/specs/dsf_rocksalt.json", "--devices", "4"]) == 0
     out = capsys.readouterr().out
     assert "mesh: 4 x cpu devices, axis 'atoms'" in out
     assert re.search(r"0 positions\s+\(\d+, 3\) float64  P\('atoms',\)  GatherInputs", out)
@@ -37,7 +37,7 @@ def test_collective_rows_are_the_ghosts_held_from_other_devices():
     s = s.replace(positions=s.positions + np.random.default_rng(1).normal(scale=0.1, size=s.positions.shape))
     p = params.LJParams()
     plan = HaloPlan.build(s.positions, s.cell, cutoff=p.cutoff, n_devices=8)
-    spec = load_spec("examples/specs/lj_argon.json").distribution
+    spec = load_spec("nvalchemi_jaxbridge/app/specs/lj_argon.json").distribution
     adapter = spec.custom_ops[0]
     cs = kcompile(spec, make_mesh(8), plan, positions={adapter: [0]})
     coll = report.collectives(cs, adapter, cs.owned(s.positions, positions=True), cs.halo_owned_mask(), *p.args())

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from nvalchemi_jaxbridge import validate as V
-from nvalchemi_jaxbridge.cli import main
+from nvalchemi_jaxbridge.app import validate as V
+from nvalchemi_jaxbridge.app.cli import main
 from nvalchemi_jaxbridge.demo import params, reference
 
-SPECS = "examples/specs"
+SPECS = "nvalchemi_jaxbridge/app/specs"
 LJ_OP = "nvalchemi_jaxbridge.demo.torch_ops:lj_energy_forces"
 
 

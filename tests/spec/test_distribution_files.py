@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 
 import nvalchemi_jaxbridge as nb
-from nvalchemi_jaxbridge.cli import main
+from nvalchemi_jaxbridge.app.cli import main
 
 from ._helpers import GOLDEN, OURS, SPECS, canon, golden
 
@@ -331,7 +331,7 @@ def test_import_and_load_do_not_import_jax_or_torch():
         f"f = nb.load_spec({str(GOLDEN / 'spec_all_kinds.json')!r})\n"
         f"nb.check_spec_file({str(GOLDEN / 'v2_envelope.json')!r})\n"
         "f.to_dict(); hash(f)\n"
-        "import nvalchemi_jaxbridge.cli\n"
+        "import nvalchemi_jaxbridge.app.cli\n"
         "print(sorted(m for m in ('jax', 'torch', 'numpy') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -356,7 +356,7 @@ def test_spec_check_lists_every_envelope_problem_with_its_path():
 
 
 def test_cli_spec_check_on_a_bad_envelope(tmp_path, capsys):
-    from nvalchemi_jaxbridge.cli import main
+    from nvalchemi_jaxbridge.app.cli import main
 
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(env(compile={"force_strategy": "framework_from_forces"}, system_reductions="yes")))

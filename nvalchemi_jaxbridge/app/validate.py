@@ -1,4 +1,4 @@
-"""`validate` (single-device vs distributed parity of an op under a spec) and `spec show`.
+"""`validate`: single-device vs distributed parity of an op under a spec.
 
 Block convention (the demo ops' and nvalchemi-toolkit's): the op takes halo
 rows `positions (R, 3)`, optionally per-atom `charges (R,)`, and `owned_mask (R,)`,
@@ -17,130 +17,18 @@ output is compared as is.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import inspect
 from typing import Any
 
 import numpy as np
 
+from .op_roles import arg_roles, load_op, op_params, pick_adapter
 from .report import Collective, format_collectives
-
-_POSITIONS = ("positions", "pos", "x", "r")
-_CHARGES = ("charges", "q")
-_MASKS = ("owned_mask", "mask")
-
-
-# ------------------------------------------------------------------ the op
-
-
-def load_op(ref: str) -> Any:
-    """The object named by `module:attr` (importing the module registers its torch ops).
-
-    Raises:
-        ValueError: not of the form `module:attr`, or the attribute does not exist.
-        ImportError: the module cannot be imported.
-    """
-    if not isinstance(ref, str) or ref.count(":") != 1 or not all(ref.split(":")):
-        raise ValueError(
-            f"--op must be module:attr (e.g. nvalchemi_jaxbridge.demo.torch_ops:lj_energy_forces), got {ref!r}."
-        )
-    mod_name, attr = ref.split(":")
-    try:
-        obj: Any = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ImportError(f"--op {ref}: cannot import module {mod_name!r}: {e}") from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            public = sorted(n for n in dir(obj) if not n.startswith("_"))[:20]
-            raise ValueError(f"--op {ref}: {getattr(obj, '__name__', obj)!r} has no attribute {part!r}; it has {public}.")
-        obj = getattr(obj, part)
-    return obj
-
-
-def _torch_overload(obj: Any) -> Any | None:
-    """The OpOverload of a torch op object (packet, CustomOpDef, overload), else None."""
-    from .spec.op_ref import is_torch_op, normalize_op
-
-    if type(obj).__name__ in ("OpOverloadPacket", "CustomOpDef") or is_torch_op(obj):
-        op = normalize_op(obj)
-        return op if is_torch_op(op) else None
-    return None
-
-
-def _pick_adapter(spec: Any, obj: Any, ref: str) -> tuple[Any, Any]:
-    """(the adapter to validate, the op object to run): the spec's adapter for `obj`."""
-    from .spec import OpAdapter
-    from .spec.op_ref import op_key, resolve_op
-
-    adapters = list(spec.custom_ops)
-    names = [str(a.describe().target) for a in adapters]
-    if not adapters:
-        raise ValueError("validate: the spec declares no op adapters (custom_ops is empty); nothing to validate.")
-    overload = _torch_overload(obj)
-    if overload is not None:
-        hits = [a for a in adapters if op_key(a.op) == op_key(overload)]
-        if not hits:
-            raise ValueError(f"validate: --op {ref} is the torch op {op_key(overload)}, which no adapter of the spec "
-                             f"declares; the spec's ops are {names}.")
-        return hits[0], overload
-    if isinstance(obj, str) and "::" in obj:
-        hits = [a for a in adapters if op_key(a.op) == op_key(obj)]
-        if hits:
-            return hits[0], resolve_op(obj)
-    if callable(obj) and not inspect.ismodule(obj) and not isinstance(obj, type):
-        qual = {ref, ref.replace(":", ".")}
-        hits = [a for a in adapters if isinstance(a.op, str) and a.op in qual] or (adapters if len(adapters) == 1 else [])
-        if not hits:
-            raise ValueError(f"validate: --op {ref} is a callable but the spec has {len(adapters)} adapters {names}; "
-                             "give a spec with one adapter, or name the op in the spec as module.attr.")
-        a = hits[0]
-        return OpAdapter(obj, dict(a.arg_transforms), dict(a.output_transforms)), obj
-    if len(adapters) != 1:
-        raise ValueError(f"validate: --op {ref} registers ops on import but the spec has {len(adapters)} adapters "
-                         f"{names}; pass the op itself (module:op_name).")
-    a = adapters[0]
-    return a, (resolve_op(a.op) if isinstance(a.op, str) else a.op)
-
-
-def _params(op: Any) -> list[tuple[str, bool, Any]]:
-    """(name, has a default, default) of the op's positional parameters."""
-    if hasattr(op, "_schema"):
-        return [(p.name, p.default_value is not None, p.default_value) for p in op._schema.arguments if not p.kwarg_only]
-    sig = inspect.signature(op)
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [(p.name, p.default is not inspect.Parameter.empty, p.default) for p in sig.parameters.values() if p.kind in kinds]
-
-
-def _roles(params: list[tuple[str, bool, Any]], where: str) -> list[str]:
-    """Role of each leading argument: "positions", "charges" or "mask"; stops at the first defaulted scalar."""
-    roles = []
-    for name, has_default, _ in params:
-        if name in _POSITIONS and not roles:
-            roles.append("positions")
-        elif name in _CHARGES:
-            roles.append("charges")
-        elif name in _MASKS:
-            roles.append("mask")
-        elif has_default:
-            break
-        else:
-            raise ValueError(
-                f"{where}: cannot supply parameter {name!r} of the op: the sample system provides positions, "
-                "charges and owned_mask (block convention); give the other parameters defaults."
-            )
-    if "positions" not in roles:
-        raise ValueError(f"{where}: the op's first parameter must be the positions (got {[p[0] for p in params]}).")
-    return roles
-
-
-# ------------------------------------------------------------------ sample system
-
 
 def sample_system(*, charged: bool, structure: str | None = None, cells: int | None = None,
                   system: str | None = None, seed: int = 0) -> Any:
     """The sample: argon FCC (3 cells) or rock salt (2 cells) rattled by 0.05 Å, or a file."""
-    from .demo import systems
-    from .simulate import wrap
+    from ..demo import systems
+    from .run_config import wrap
 
     if structure is not None:
         s = systems.read_structure(structure)
@@ -159,7 +47,7 @@ def sample_system(*, charged: bool, structure: str | None = None, cells: int | N
 
 def single_device_block(system: Any, width: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(positions (R, 3), owned_mask (R,), atom of each row): all atoms owned, then image ghosts within `width`."""
-    from .demo.reference import image_shifts
+    from ..demo.reference import image_shifts
 
     cell = system.cell
     frac = system.positions @ np.linalg.inv(cell)
@@ -280,15 +168,15 @@ def validate(spec_path: str, op_ref: str, *, devices: int | None = None, structu
     Returns:
         A `ValidationReport`; when it fails, `hints` names a recognised cause and its fix.
     """
-    from .simulate import configure_jax
-    from .spec import load_spec
+    from .run_config import configure_jax
+    from ..spec import load_spec
 
     devs, _ = configure_jax(devices)
     spec = load_spec(spec_path).distribution
     obj = load_op(op_ref)
-    adapter, op = _pick_adapter(spec, obj, op_ref)
-    params = _params(op)
-    roles = _roles(params, "validate")
+    adapter, op = pick_adapter(spec, obj, op_ref)
+    params = op_params(op)
+    roles = arg_roles(params, "validate")
     if cutoff is None:
         found = [d for n, has, d in params if n == "cutoff" and has]
         if not found:
@@ -329,11 +217,11 @@ def validate(spec_path: str, op_ref: str, *, devices: int | None = None, structu
 def _run_pair(spec: Any, adapter: Any, op: Any, roles: list[str], system: Any, devs: list[Any], cutoff: float,
               width: float, rtol: float):
     """Run single-device and distributed at ghost width `width`; (checks, fired, error, {output: folded ok})."""
-    from .kernels import compile as kcompile
-    from .layout import HaloPlan
-    from .lower import make_mesh
+    from ..kernels import compile as kcompile
+    from ..layout import HaloPlan
+    from ..lower import make_mesh
     from .report import collectives
-    from .spec import DistributionSpec
+    from ..spec import DistributionSpec
 
     dtype = np.float64
     block_pos, block_mask, atom = single_device_block(system, width)
@@ -391,83 +279,3 @@ def _run_pair(spec: Any, adapter: Any, op: Any, roles: list[str], system: Any, d
     if len(outs) != len(ref_atom):
         return tuple(checks), fired, f"the distributed call returned {len(outs)} outputs, single-device {len(ref_atom)}", folded_ok
     return tuple(checks), fired, None, folded_ok
-
-
-# ------------------------------------------------------------------ spec show
-
-
-def show_spec(spec_path: str, *, devices: int | None = None, system: str | None = None, cells: int | None = None,
-              structure: str | None = None, op: str | None = None) -> str:
-    """The compiled plan of a spec on a sample system: mesh, partition specs, collectives with bytes.
-
-    Args:
-        spec_path: the spec file.
-        devices: mesh size (default 8 CPU devices).
-        system: "argon" or "rocksalt" sample (default: rocksalt when an op takes charges).
-        cells, structure: the sample's size, or a file to read it from.
-        op: `module:attr` to import first (registers or supplies the spec's op); the demo's
-            `jaxbridge_demo::` ops are imported automatically.
-
-    Returns:
-        The text.
-    """
-    import jax
-
-    from .kernels import compile as kcompile
-    from .layout import HaloPlan
-    from .lower import make_mesh
-    from .report import collectives, hlo_collectives
-    from .simulate import configure_jax
-    from .spec import DistributionSpec, load_spec
-
-    devs, _ = configure_jax(devices)
-    spec = load_spec(spec_path).distribution
-    if op is not None:
-        load_op(op)
-    if any(isinstance(a.op, str) and a.op.startswith("jaxbridge_demo::") for a in spec.custom_ops):
-        from .demo import torch_ops  # noqa: F401  registers the demo ops
-    mesh = make_mesh(len(devs), devices=devs)
-    lines = [f"spec {spec_path}", f"  policy: {spec.policy!r}",
-             f"  mesh: {len(devs)} x {devs[0].platform} devices, axis {mesh.axis_names[0]!r} (1-D, Auto)"]
-    for adapter in spec.custom_ops:
-        name = str(adapter.describe().target)
-        try:
-            from .spec.op_ref import resolve_op
-
-            live = resolve_op(adapter.op) if isinstance(adapter.op, str) else adapter.op
-            params = _params(live)
-            roles = _roles(params, f"spec show: adapter {name!r}")
-        except Exception as e:  # noqa: BLE001 - shown, not fatal: other adapters still print
-            lines.append(f"  adapter {name}: cannot resolve its op ({e}); pass --op module:attr to import it.")
-            continue
-        cutoff = next((float(d) for n, has, d in params if n == "cutoff" and has), None)
-        if cutoff is None:
-            lines.append(f"  adapter {name}: its op has no 'cutoff' default, so no plan can be built here.")
-            continue
-        sample = sample_system(charged="charges" in roles, structure=structure, cells=cells, system=system)
-        plan = HaloPlan.build(sample.positions, sample.cell, periodic=sample.periodic, cutoff=cutoff, n_devices=len(devs))
-        one = DistributionSpec(policy=spec.policy, custom_ops=(adapter,))
-        cs = kcompile(one, mesh, plan, positions={adapter: [roles.index("positions")]})
-        args = [cs.owned(sample.positions, positions=True) if r == "positions" else
-                cs.owned(sample.charges) if r == "charges" else cs.halo_owned_mask() for r in roles]
-        compiled = jax.jit(lambda c, *a: c.call(adapter, *a)).lower(cs, *args).compile()
-        outs = compiled.output_shardings
-        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-        lines += [f"  adapter {name}  (sample: {sample.n_atoms} atoms, cutoff {cutoff:g} Å)",
-                  *("    " + ln for ln in plan.describe(features=3, itemsize=8).splitlines()),
-                  "    arguments:"]
-        for i, (r, a) in enumerate(zip(roles, args)):
-            tr = adapter.arg_transforms.get(i)
-            lines.append(f"      {i} {params[i][0]:<12} {tuple(a.shape)} {a.dtype}  {a.sharding.spec}  "
-                         f"{type(tr).__name__ if tr else 'no transform'}")
-        for i, (n_, has, d) in enumerate(params[len(roles):], start=len(roles)):
-            lines.append(f"      {i} {n_:<12} static constant (default {d!r})")
-        lines.append("    outputs:")
-        for i, s in enumerate(outs):
-            tr = adapter.output_transforms.get(i)
-            lines.append(f"      {i} {getattr(s, 'spec', s)}  {type(tr).__name__ if tr else 'no transform'}")
-        lines.append("    collectives per call (float64 rows):")
-        lines += ["  " + ln for ln in format_collectives(collectives(cs, adapter, *args))]
-        counts = hlo_collectives(compiled.as_text())
-        lines.append("    in the compiled program: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
-    return "\n".join(lines)

@@ -10,7 +10,7 @@ for any other wrapper, its stages in order on that whole graph. Stress there is
 the strain derivative with positions and cell strained together, as on the
 distributed side.
 
-Call `simulate.configure_jax` before anything else touches JAX (`run_model` does).
+Call `run_config.configure_jax` before anything else touches JAX (`run_model` does).
 """
 
 from __future__ import annotations
@@ -119,13 +119,13 @@ def load_wrapper(config: ModelRunConfig, dtype: str = "float64") -> Any:
     """The run's model as a `MessagePassingWrapper`, cast to `dtype`."""
     import torch
 
-    from .mlip import MPNN, MPNNWrapper
+    from ..mlip import MPNN, MPNNWrapper
 
     tdtype = getattr(torch, dtype)
     if config.checkpoint is None:
         if config.model == "mpnn":
             return MPNNWrapper(MPNN(SPECIES, seed=config.seed).to(tdtype))  # the same weights in either dtype
-        from .mlip.mace import MACEWrapper, random_mace
+        from ..mlip.mace import MACEWrapper, random_mace
 
         return MACEWrapper(random_mace(SPECIES, seed=config.seed, dtype=tdtype))
     model = torch.load(config.checkpoint, map_location="cpu", weights_only=False)
@@ -144,14 +144,14 @@ def load_wrapper(config: ModelRunConfig, dtype: str = "float64") -> Any:
     model = model.to(tdtype).eval()
     if kind == "mpnn":
         return MPNNWrapper(model)
-    from .mlip.mace import MACEWrapper
+    from ..mlip.mace import MACEWrapper
 
     return MACEWrapper(model)
 
 
 def alloy(cells: int = 3, *, a: float = 3.75, rattle: float = 0.1, seed: int = 0) -> Any:
     """Rattled fcc Cu/Au (species drawn at random): `cells` cubic cells of 4 atoms along each axis, periodic."""
-    from .demo.systems import System
+    from ..demo.systems import System
 
     base = np.array([[0.0, 0.0, 0.0], [0.0, 0.5, 0.5], [0.5, 0.0, 0.5], [0.5, 0.5, 0.0]])
     grid = np.stack(np.meshgrid(*(np.arange(cells),) * 3, indexing="ij"), -1).reshape(-1, 1, 3)
@@ -164,7 +164,7 @@ def alloy(cells: int = 3, *, a: float = 3.75, rattle: float = 0.1, seed: int = 0
 
 def make_structure(config: ModelRunConfig) -> Any:
     """The run's structure (the default alloy or the file), with Maxwell-Boltzmann velocities."""
-    from .demo import systems
+    from ..demo import systems
 
     s = systems.read_structure(config.structure) if config.structure else alloy(config.cells, seed=config.seed)
     return s.with_temperature(config.temperature, seed=config.seed) if s.velocities is None else s
@@ -182,7 +182,7 @@ def periodic_graph(positions: np.ndarray, cell: np.ndarray, periodic: Any, cutof
     """
     from scipy.spatial import cKDTree
 
-    from .demo.reference import image_shifts
+    from ..demo.reference import image_shifts
 
     pos, cell = np.asarray(positions, dtype=np.float64), np.asarray(cell, dtype=np.float64)
     per = np.broadcast_to(np.asarray(periodic, dtype=bool), (3,))
@@ -211,8 +211,8 @@ def single_device_reference(wrapper: Any, positions: np.ndarray, numbers: np.nda
     """
     import torch
 
-    from .mlip import MPNNWrapper
-    from .mlip.protocol import BlockGraph, node_energies_of
+    from ..mlip import MPNNWrapper
+    from ..mlip.protocol import BlockGraph, node_energies_of
 
     if type(wrapper).__name__ == "MACEWrapper":
         return _mace_reference(wrapper.model, positions, numbers, cell, pbc)
@@ -341,10 +341,10 @@ def run_model(config: ModelRunConfig, *, progress: Callable[[int], Any] | None =
     Returns:
         The `ModelRunReport` (`report.ok` is False when a parity difference exceeds the tolerance).
     """
-    from .mlip import DistributedMLIP
-    from .mlip.dynamics import nve
-    from .mlip.jax_model import build_layout
-    from .simulate import configure_jax
+    from ..mlip import DistributedMLIP
+    from ..mlip.dynamics import nve
+    from ..mlip.jax_model import build_layout
+    from .run_config import configure_jax
 
     t_start = time.perf_counter()
     devices, dtype = configure_jax(config.devices, dtype=config.dtype)

@@ -88,7 +88,7 @@ def collectives(cs: Any, target: Any, *args: Any) -> list[Collective]:
     """
     import jax
 
-    from .spec.transforms import AllReduceSum, GatherInputs, GatherInputsFull, ScatterOutputs
+    from ..spec.transforms import AllReduceSum, GatherInputs, GatherInputsFull, ScatterOutputs
 
     adapter = cs.adapter(target)
     name = adapter.describe().target

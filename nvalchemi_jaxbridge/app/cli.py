@@ -13,7 +13,7 @@ from typing import Any
 
 
 def _spec_check(args: argparse.Namespace) -> int:
-    from .spec import check_spec_file
+    from ..spec import check_spec_file
 
     problems = check_spec_file(args.file)
     for p in problems:
@@ -26,7 +26,7 @@ def _spec_check(args: argparse.Namespace) -> int:
 
 
 def _spec_convert(args: argparse.Namespace) -> int:
-    from .spec import SpecError, load_spec, save_spec
+    from ..spec import SpecError, load_spec, save_spec
 
     try:
         spec = load_spec(args.input)
@@ -40,7 +40,7 @@ def _spec_convert(args: argparse.Namespace) -> int:
 
 
 def _spec_show(args: argparse.Namespace) -> int:
-    from .validate import show_spec
+    from .show import show_spec
 
     print(show_spec(args.file, devices=args.devices, system=args.system, cells=args.cells,
                     structure=args.structure, op=args.op))
@@ -48,13 +48,13 @@ def _spec_show(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from . import model_run, report, simulate
+    from . import model_run, report, run_config, simulate
 
     is_model = args.model is not None or args.checkpoint is not None
     model_run.check_options(model_run=is_model, given=vars(args))
     if is_model:
         return _run_model(args)
-    config = simulate.RunConfig(
+    config = run_config.RunConfig(
         system=args.system or "argon", spec=args.spec, kernel=args.kernel, devices=args.devices, steps=args.steps,
         dt=args.dt, temperature=args.temperature, langevin=args.langevin, cells=args.cells, seed=args.seed,
         structure=args.structure, skin=1.0 if args.skin is None else args.skin, check_every=args.check_every,
@@ -154,7 +154,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "run", help="the demo: domain-decomposed MD from a spec file (or of an MLIP, --model), with a parity report")
     run.add_argument("--system", choices=("argon", "rocksalt"), default=None,
                      help="argon FCC (Lennard-Jones, the default) or NaCl rock salt (DSF Coulomb, charged)")
-    run.add_argument("--spec", default=None, help="spec file (default: examples/specs/ file for system and kernel)")
+    run.add_argument("--spec", default=None, help="spec file (default: the packaged spec file for system and kernel)")
     run.add_argument("--kernel", choices=("torch", "torch-cells", "triton", "jax"), default=None,
                      help="torch custom op (default), torch-cells (the same LJ op with an O(N) cell list, "
                           "argon only), Triton op, or the JAX potential; picks the default spec")
@@ -219,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that a user's input causes: reported in one line, no traceback."""
-    from .spec import SpecError
+    from ..spec import SpecError
 
     return (ValueError, KeyError, ImportError, SpecError)
 
