@@ -2,16 +2,42 @@
 
 The engine is JAX's own multi-controller runtime (gloo on the CPU, NCCL on GPU);
 this module only finds the coordinator, the process id and the local device.
+
+Where JAX's coordinator listens (process 0 binds `[::]:port`), first match wins:
+
+1. `coordinator_address=` passed to `initialize`.
+2. `$JAX_COORDINATOR_ADDRESS`, then `$JAX_COORDINATOR_PORT` on the job's host
+   (`MASTER_ADDR`, or the first SLURM host): the variables JAX itself reads.
+3. torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`): torchrun's agent store already
+   listens on `MASTER_PORT`, so rank 0 picks a free port and publishes
+   `MASTER_ADDR:port` in that store under a key of `TORCHELASTIC_RUN_ID` and
+   `TORCHELASTIC_RESTART_COUNT` (a restarted job never reads an old value);
+   the other ranks read it. No port is fixed in advance, so none can collide.
+4. Other launchers setting `RANK`/`WORLD_SIZE`: `MASTER_ADDR:MASTER_PORT+1`, as
+   `MASTER_PORT` is `torch.distributed`'s own. The project's launcher
+   (`torch/launch.py`) sets `JAX_COORDINATOR_PORT` to a free port, so 2 applies.
+5. SLURM (`srun`, no torchrun variables): what JAX's own SLURM detection gives,
+   the first host of `SLURM_STEP_NODELIST` and port 61440 + `SLURM_JOB_ID` % 4096.
+
+Rank 0 test-binds the port first: a busy port is an error naming the fix, not
+the segfault gRPC gives. Under `srun torchrun` the torchrun variables win, and
+JAX's cluster detection is switched off so SLURM's cannot override them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import errno
+import inspect
 import os
 import re
+import socket
 from collections.abc import Mapping, Sequence
 
 _STATE: dict[str, "ProcessInfo"] = {}
+SLURM_PORT_BASE = 61440  # JAX's SLURM detector: the top 4096 ports, offset by the job id
+_KEY = "nvalchemi_jaxbridge/jax_coordinator"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +68,11 @@ def first_host(nodelist: str) -> str:
     return prefix + first
 
 
+def slurm_port(job_id: int) -> int:
+    """The coordinator port JAX's SLURM detection uses for a job: 61440 + job id mod 4096."""
+    return SLURM_PORT_BASE + job_id % 4096
+
+
 def _int_env(env: Mapping[str, str], name: str, source: str) -> int:
     """An integer environment variable, or a ValueError naming it."""
     if name not in env:
@@ -55,6 +86,105 @@ def _int_env(env: Mapping[str, str], name: str, source: str) -> int:
         raise ValueError(f"initialize(): ${name}={env[name]!r} is not an integer") from None
 
 
+def _port_override(env: Mapping[str, str], host: str) -> str | None:
+    """`host:$JAX_COORDINATOR_PORT` if that is set, else None."""
+    port = env.get("JAX_COORDINATOR_PORT")
+    if not port:
+        return None
+    if not port.isdigit():
+        raise ValueError(f"initialize(): $JAX_COORDINATOR_PORT={port!r} is not an integer")
+    return f"{host}:{port}"
+
+
+def coordinator_key(env: Mapping[str, str]) -> str:
+    """The torchrun-store key for this run and restart (`TORCHELASTIC_RUN_ID`, `..._RESTART_COUNT`)."""
+    run = env.get("TORCHELASTIC_RUN_ID", "none")
+    return f"{_KEY}/{run}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def free_port() -> int:
+    """A TCP port free on every local address a moment ago (what JAX's `[::]:port` bind needs)."""
+    with _wildcard_socket(0) as s:
+        return s.getsockname()[1]
+
+
+def _wildcard_socket(port: int) -> socket.socket:
+    """A socket bound to `port` on all addresses (IPv6 dual-stack where there is IPv6); OSError if busy."""
+    try:
+        return _bound(socket.AF_INET6, "::", port)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise
+    return _bound(socket.AF_INET, "0.0.0.0", port)  # a host without IPv6
+
+
+def _bound(family: socket.AddressFamily, addr: str, port: int) -> socket.socket:
+    """A TCP socket of `family` bound to (addr, port), SO_REUSEADDR as gRPC sets it (TIME_WAIT is free)."""
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        s.bind((addr, port))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def _check_port_free(coord: str) -> None:
+    """On rank 0: the coordinator's port can be bound here, else a RuntimeError naming the fix."""
+    port = coord.rsplit(":", 1)[-1]
+    if not port.isdigit():
+        return  # not ours to judge; JAX reports a malformed address
+    port = int(port)
+    try:
+        _wildcard_socket(port).close()
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            return  # not a conflict we can diagnose; let JAX report it
+        raise RuntimeError(
+            f"initialize(): the JAX coordinator port {port} (of {coord}) is already in use on rank 0's "
+            "host; set JAX_COORDINATOR_PORT to a free port (the same on every rank) or pass "
+            "coordinator_address='host:port'"
+        ) from None
+
+
+def _torchrun_store(env: Mapping[str, str], timeout_s: float):
+    """A client of torchrun's agent store at MASTER_ADDR:MASTER_PORT."""
+    from torch.distributed import TCPStore
+
+    host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    try:
+        return TCPStore(host, port, is_master=False, wait_for_workers=False,
+                        timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"initialize(): cannot reach torchrun's store at {host}:{port} ($MASTER_ADDR:$MASTER_PORT) to "
+            f"share the JAX coordinator address ({str(e).splitlines()[0]}); check that MASTER_ADDR "
+            "resolves on this node, or skip the store: set JAX_COORDINATOR_PORT to a free port (the same "
+            "on every rank) or pass coordinator_address='host:port'"
+        ) from None
+
+
+def _torchrun_coordinator(env: Mapping[str, str], rank: int, timeout_s: float) -> str:
+    """Rank 0 publishes MASTER_ADDR:<free port> in torchrun's store; the others read it."""
+    store, key = _torchrun_store(env, timeout_s), coordinator_key(env)
+    if rank == 0:
+        coord = f"{env['MASTER_ADDR']}:{free_port()}"
+        store.set(key, coord)
+        return coord
+    try:
+        return store.get(key).decode()
+    except RuntimeError:
+        raise RuntimeError(
+            f"initialize(): rank {rank} waited {timeout_s:g} s for rank 0 to publish the JAX coordinator "
+            f"address in torchrun's store ({env['MASTER_ADDR']}:{env['MASTER_PORT']}, key {key!r}); rank 0 "
+            "failed or has not reached initialize(): check rank 0's log first, call initialize() on every "
+            "rank, or give it longer with initialize(timeout_s=...)"
+        ) from None
+
+
 def resolve(
     *,
     coordinator_address: str | None = None,
@@ -62,23 +192,32 @@ def resolve(
     process_id: int | None = None,
     local_rank: int | None = None,
     env: Mapping[str, str] | None = None,
+    timeout_s: float = 60,
 ) -> tuple[str | None, int, int, int, str]:
-    """(coordinator, world_size, rank, local_rank, source); explicit arguments win over the environment."""
+    """(coordinator, world_size, rank, local_rank, source); explicit arguments win over the environment.
+
+    The coordinator follows the order in the module docstring; under torchrun
+    this talks to torchrun's store (rank 0 writes, the others wait up to `timeout_s`).
+    """
     env = os.environ if env is None else env
-    if "WORLD_SIZE" in env or "RANK" in env:
+    if "WORLD_SIZE" in env or "RANK" in env:  # torchrun, also under srun: its variables win
         source = "torchrun"
         get_world = lambda: _int_env(env, "WORLD_SIZE", source)  # noqa: E731
         get_rank = lambda: _int_env(env, "RANK", source)  # noqa: E731
         get_local = lambda: int(env.get("LOCAL_RANK", "0"))  # noqa: E731
 
-        def get_coord() -> str:
+        def get_coord(rank: int) -> str:
             for name in ("MASTER_ADDR", "MASTER_PORT"):
                 if name not in env:
                     raise ValueError(
                         f"initialize(): torchrun launch detected but ${name} is not set; set it, or "
                         "pass coordinator_address='host:port'"
                     )
-            return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+            if (coord := _port_override(env, env["MASTER_ADDR"])) is not None:
+                return coord
+            if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                return _torchrun_coordinator(env, rank, timeout_s)
+            return f"{env['MASTER_ADDR']}:{_int_env(env, 'MASTER_PORT', source) + 1}"
 
     elif "SLURM_PROCID" in env or "SLURM_NTASKS" in env:
         source = "slurm"
@@ -86,25 +225,23 @@ def resolve(
         get_rank = lambda: _int_env(env, "SLURM_PROCID", source)  # noqa: E731
         get_local = lambda: int(env.get("SLURM_LOCALID", "0"))  # noqa: E731
 
-        def get_coord() -> str:
+        def get_coord(rank: int) -> str:
             nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST")
             if not nodes:
                 raise ValueError(
                     "initialize(): SLURM launch detected but neither $SLURM_STEP_NODELIST nor "
                     "$SLURM_NODELIST is set; pass coordinator_address='host:port'"
                 )
-            if "MASTER_PORT" in env:
-                port = int(env["MASTER_PORT"])
-            else:  # a job-specific port, so two jobs sharing a node do not collide
-                port = 29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000
-            return f"{first_host(nodes)}:{port}"
+            host = first_host(nodes)
+            override = _port_override(env, host)
+            return override or f"{host}:{slurm_port(_int_env(env, 'SLURM_JOB_ID', source))}"
 
     else:
         source = "single"
         get_world = lambda: 1  # noqa: E731
         get_rank = lambda: 0  # noqa: E731
         get_local = lambda: 0  # noqa: E731
-        get_coord = lambda: None  # noqa: E731
+        get_coord = lambda rank: None  # noqa: E731
 
     explicit = [coordinator_address, num_processes, process_id]
     if any(v is not None for v in explicit):
@@ -119,12 +256,15 @@ def resolve(
         )
     coord = coordinator_address
     if coord is None and world > 1:
+        coord = env.get("JAX_COORDINATOR_ADDRESS") or None
+    if coord is None and world > 1:
         if source == "single":
             raise ValueError(
-                f"initialize(): num_processes={world} but no coordinator: set MASTER_ADDR and "
-                "MASTER_PORT, or pass coordinator_address='host:port'"
+                f"initialize(): num_processes={world} but no coordinator: pass "
+                "coordinator_address='host:port' (or set $JAX_COORDINATOR_ADDRESS), or launch with "
+                "torchrun / srun, whose variables name one"
             )
-        coord = get_coord()
+        coord = get_coord(rank)
     return coord, world, rank, local, source
 
 
@@ -154,20 +294,24 @@ def initialize(
     """Bring up `jax.distributed` for one process per device.
 
     Call once, before any JAX computation. Sources, explicit arguments first:
-    torchrun (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, `LOCAL_RANK`),
-    then SLURM (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, the first host of
-    `SLURM_STEP_NODELIST`/`SLURM_NODELIST`, port `MASTER_PORT` or 29500 + job id
-    mod 1000). With world size 1 nothing is started and the same API works.
+    torchrun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`), then SLURM
+    (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`). The coordinator port is
+    never `MASTER_PORT` (torch's store holds it): `$JAX_COORDINATOR_PORT` if set,
+    under torchrun a free port rank 0 publishes through torchrun's store, under
+    SLURM JAX's own choice (first host of `SLURM_STEP_NODELIST`, 61440 +
+    `SLURM_JOB_ID` % 4096); see the module docstring for the full order. With
+    world size 1 nothing is started and the same API works.
 
     On the CPU each process gets one device and gloo collectives; on GPU process
-    `LOCAL_RANK` gets GPU `LOCAL_RANK` (torch's current device is set to match).
+    `LOCAL_RANK` gets GPU `LOCAL_RANK` (passed explicitly, also under `srun
+    torchrun`; torch's current device is set to match).
 
     Args:
         coordinator_address: "host:port" of process 0's coordinator.
         num_processes: world size.
         process_id: this process's rank.
         local_device_ids: GPU ids this process drives (default `[LOCAL_RANK]`).
-        timeout_s: how long to wait for all processes to join.
+        timeout_s: how long to wait for all processes to join (and for rank 0's address).
         platform: "cpu" or "gpu" (default: `$JAX_PLATFORMS`, else GPU if torch sees one).
 
     Returns:
@@ -175,10 +319,11 @@ def initialize(
 
     Raises:
         ValueError: a needed variable is missing or inconsistent (the message names it).
-        RuntimeError: JAX already ran a computation in this process.
+        RuntimeError: JAX already ran a computation in this process; the coordinator
+            port is busy; torchrun's store is unreachable or rank 0 never published.
 
     Example:
-        >>> info = initialize()   # under `python -m nvalchemi_jaxbridge.torch.launch -n 2 train.py`
+        >>> info = initialize()   # under `torchrun --nproc-per-node 2 train.py`
     """
     if "info" in _STATE:
         return _STATE["info"]
@@ -186,7 +331,8 @@ def initialize(
     from jax._src import xla_bridge
 
     coord, world, rank, local, source = resolve(
-        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id,
+        timeout_s=timeout_s,
     )
     plat = _platform(platform)
     if world > 1 and xla_bridge.backends_are_initialized():
@@ -206,6 +352,11 @@ def initialize(
         ids = list(local_device_ids) if local_device_ids is not None else [local]
         torch.cuda.set_device(ids[0])
     if world > 1:
+        if rank == 0:
+            _check_port_free(coord)
+        extra = {}
+        if "cluster_detection_method" in inspect.signature(jax.distributed.initialize).parameters:
+            extra["cluster_detection_method"] = "deactivate"  # our values stand; SLURM's must not fill in
         jax.distributed.initialize(
             coordinator_address=coord,
             num_processes=world,
@@ -214,6 +365,7 @@ def initialize(
             initialization_timeout=timeout_s,
             heartbeat_timeout_seconds=max(10, timeout_s // 2),
             shutdown_timeout_seconds=max(10, timeout_s // 2),
+            **extra,
         )
     info = ProcessInfo(rank, world, local, coord, plat, source)
     _STATE["info"] = info

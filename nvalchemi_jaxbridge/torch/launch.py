@@ -1,17 +1,19 @@
 """A small torchrun-style launcher: `python -m nvalchemi_jaxbridge.torch.launch -n N script.py args...`.
 
-Sets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and
-`MASTER_PORT` (a free port), starts N processes of `script.py`, prefixes their
-output with `[rank k]`, kills all of them on the first failure or when the
-global timeout expires, and exits non-zero if any process failed.
+Sets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
+`MASTER_PORT` (a free port) and `JAX_COORDINATOR_PORT` (another free port: it
+has no store to publish one in, unlike torchrun), starts N processes of
+`script.py` and prefixes their output with `[rank k]`. On the first failure it
+names the rank that failed first in time, repeats that rank's last lines and
+kills the others; on the global timeout it kills all of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,23 +21,29 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
+from .distributed import free_port
+
 TIMEOUT_EXIT = 124
+TAIL_LINES = 20
 
 
-def free_port() -> int:
-    """A TCP port on localhost that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pump(stream: TextIO, prefix: str, out: TextIO, lock: threading.Lock) -> None:
-    """Copy lines from a child to `out`, each with the rank prefix."""
+def _pump(stream: TextIO, prefix: str, out: TextIO, lock: threading.Lock, tail: collections.deque) -> None:
+    """Copy lines from a child to `out`, each with the rank prefix; keep the last ones in `tail`."""
     for line in iter(stream.readline, ""):
+        line = line.rstrip("\n")
+        tail.append(line)
         with lock:
-            out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
+            out.write(prefix + line + "\n")
             out.flush()
     stream.close()
+
+
+def _wait(p: subprocess.Popen, rank: int, exits: list[tuple[int, int]], cond: threading.Condition) -> None:
+    """Record (rank, exit code) in `exits` when the child ends, so `exits` is in order of time."""
+    code = p.wait()
+    with cond:
+        exits.append((rank, code))
+        cond.notify_all()
 
 
 def _kill(procs: Sequence[subprocess.Popen]) -> None:
@@ -76,11 +84,13 @@ def launch(
         timeout_s: global wall-clock limit; all processes are killed when it expires.
         env: base environment (default: this process's).
         out: where the prefixed output goes (default: stdout).
-        master_port: coordinator port (default: a free one).
+        master_port: `MASTER_PORT` (default: a free one). JAX's coordinator gets another
+            free port through `JAX_COORDINATOR_PORT`, unless `env` sets it or
+            `JAX_COORDINATOR_ADDRESS`.
 
     Returns:
-        0 if every process exited 0; the first failing exit code otherwise
-        (`124` on timeout).
+        0 if every process exited 0; the exit code of the rank that failed first
+        in time otherwise (`124` on timeout).
     """
     if nprocs < 1:
         raise ValueError(f"launch: -n must be >= 1, got {nprocs}")
@@ -91,9 +101,17 @@ def launch(
     base = dict(os.environ if env is None else env)
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nprocs))
     base.update(LOCAL_WORLD_SIZE=str(nprocs), PYTHONUNBUFFERED="1")
-    lock = threading.Lock()
+    if not base.get("JAX_COORDINATOR_PORT") and not base.get("JAX_COORDINATOR_ADDRESS"):
+        jax_port = free_port()
+        while jax_port == port:  # MASTER_PORT is torch.distributed's, never JAX's
+            jax_port = free_port()
+        base["JAX_COORDINATOR_PORT"] = str(jax_port)
+    lock, cond = threading.Lock(), threading.Condition()
     procs: list[subprocess.Popen] = []
+    threads: list[threading.Thread] = []
     pumps: list[threading.Thread] = []
+    tails = [collections.deque(maxlen=TAIL_LINES) for _ in range(nprocs)]
+    exits: list[tuple[int, int]] = []  # (rank, code) in the order the children ended
     for rank in range(nprocs):
         child_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
         p = subprocess.Popen(
@@ -105,32 +123,43 @@ def launch(
             start_new_session=True,  # its own process group, so _kill reaches grandchildren
         )
         procs.append(p)
-        t = threading.Thread(target=_pump, args=(p.stdout, f"[rank {rank}] ", out, lock), daemon=True)
-        t.start()
-        pumps.append(t)
+        pump = threading.Thread(target=_pump, args=(p.stdout, f"[rank {rank}] ", out, lock, tails[rank]),
+                                daemon=True)
+        waiter = threading.Thread(target=_wait, args=(p, rank, exits, cond), daemon=True)
+        pump.start()
+        waiter.start()
+        pumps.append(pump)
+        threads += [pump, waiter]
     deadline = time.monotonic() + timeout_s
     code = 0
     try:
         while True:
-            codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            with cond:
+                cond.wait_for(lambda: len(exits) == nprocs or any(c != 0 for _, c in exits),
+                              timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+                done = list(exits)
+            failed = [(r, c) for r, c in done if c != 0]
             if failed:
-                rank, code = failed[0]
+                rank, code = failed[0]  # the first to fail in time; the others often fail because of it
                 code = 128 - code if code < 0 else code  # killed by a signal
+                pumps[rank].join(timeout=2.0)  # its last lines
+                tail = "".join(f"[launch] | {line}\n" for line in tails[rank])
                 with lock:
-                    out.write(f"[launch] rank {rank} exited with {code}; stopping the others\n")
+                    out.write(f"[launch] rank {rank} exited with {code} first; stopping the others\n"
+                              f"[launch] last {len(tails[rank])} lines of rank {rank}:\n{tail}")
                 break
-            if all(c == 0 for c in codes):
+            if len(done) == nprocs:
                 break
             if time.monotonic() > deadline:
                 code = TIMEOUT_EXIT
                 with lock:
-                    out.write(f"[launch] timeout after {timeout_s:g} s; killing all {nprocs} processes\n")
+                    out.write(f"[launch] timeout after {timeout_s:g} s; killing all {nprocs} processes "
+                              "(a rank hangs or waits for one that never started: see the log above; "
+                              "give it longer with --timeout)\n")
                 break
-            time.sleep(0.05)
     finally:
         _kill(procs)
-        for t in pumps:
+        for t in threads:
             t.join(timeout=5.0)
     return code
 
@@ -143,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("-n", "--nprocs", type=int, required=True, help="number of processes")
     p.add_argument("--timeout", type=float, default=600.0, help="global timeout in seconds")
-    p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    p.add_argument("--port", type=int, default=None, help="MASTER_PORT (default: a free one)")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     a = p.parse_args(argv)

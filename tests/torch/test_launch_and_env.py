@@ -2,26 +2,153 @@
 
 from __future__ import annotations
 
+import functools
 import io
+import os
+import socket
 import sys
 import time
 
 import pytest
 
-from nvalchemi_jaxbridge.torch.distributed import first_host, resolve
+from nvalchemi_jaxbridge.torch import distributed
+from nvalchemi_jaxbridge.torch.distributed import coordinator_key, first_host, resolve
 from nvalchemi_jaxbridge.torch.launch import launch, main
+
+SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 
 
 def test_torchrun_variables_are_read():
     env = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h0", "MASTER_PORT": "1234"}
-    assert resolve(env=env) == ("h0:1234", 4, 1, 1, "torchrun")
+    # no torchrun store (TORCHELASTIC_USE_AGENT_STORE unset): the port after MASTER_PORT, never MASTER_PORT
+    assert resolve(env=env) == ("h0:1235", 4, 1, 1, "torchrun")
+    assert resolve(env=dict(env, JAX_COORDINATOR_PORT="777")) == ("h0:777", 4, 1, 1, "torchrun")
+    assert resolve(env=dict(env, JAX_COORDINATOR_ADDRESS="c:9"))[0] == "c:9"
 
 
-def test_slurm_variables_are_read_with_the_first_host():
-    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-           "SLURM_STEP_NODELIST": "gpu[07-08,11],cpu3", "SLURM_JOB_ID": "4242"}
-    assert resolve(env=env) == ("gpu07:29742", 8, 5, 1, "slurm")
-    assert resolve(env=dict(env, MASTER_PORT="999"))[0] == "gpu07:999"
+def _jax_slurm(monkeypatch, env: dict) -> tuple:
+    """What JAX's own SLURM detection gives for `env` (an independent reference)."""
+    from jax._src.clusters import ClusterEnv, SlurmCluster
+
+    for name in (*SLURM_VARS, "JAX_COORDINATOR_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert SlurmCluster.is_env_present()
+    detected = ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, "slurm", 60)
+    by_class = (SlurmCluster.get_coordinator_address(60, os.environ.get("JAX_COORDINATOR_PORT")),
+                SlurmCluster.get_process_count(), SlurmCluster.get_process_id(),
+                [SlurmCluster.get_local_process_id()])
+    assert tuple(detected) == by_class
+    return by_class
+
+
+@pytest.mark.parametrize("job, nodes", [("4242", "gpu[07-08,11],cpu3"), ("12345", "n01"), ("0", "n01,n02"),
+                                        ("4095", "node-[001-004]"), ("4096", "x[9-10],y[1-2]")])
+def test_slurm_mapping_is_jax_own_detection(monkeypatch, job, nodes):
+    env = {"SLURM_JOB_ID": job, "SLURM_STEP_NODELIST": nodes, "SLURM_NTASKS": "8", "SLURM_PROCID": "5",
+           "SLURM_LOCALID": "1"}
+    coord, world, rank, local, source = resolve(env=env)
+    assert (coord, world, rank, [local]) == _jax_slurm(monkeypatch, env) and source == "slurm"
+    assert int(coord.rsplit(":", 1)[1]) == 61440 + int(job) % 4096
+    # JAX honours $JAX_COORDINATOR_PORT under SLURM, and so do we (not $MASTER_PORT: that is torch's)
+    env = dict(env, JAX_COORDINATOR_PORT="999")
+    host = coord.rsplit(":", 1)[0]
+    assert resolve(env=dict(env, MASTER_PORT="1"))[0] == _jax_slurm(monkeypatch, env)[0] == f"{host}:999"
+
+
+def test_slurm_one_node_in_brackets(monkeypatch):
+    """'x[9],y1': the first host is x9. JAX 0.12's parser gives 'x9]' here (a host that does not resolve)."""
+    env = {"SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "x[9],y1", "SLURM_NTASKS": "2", "SLURM_PROCID": "0",
+           "SLURM_LOCALID": "0"}
+    assert resolve(env=env)[0] == "x9:61441"
+    assert _jax_slurm(monkeypatch, env)[0] in ("x9:61441", "x9]:61441")
+
+
+def test_slurm_job_12345_uses_port_61497():
+    env = {"SLURM_JOB_ID": "12345", "SLURM_STEP_NODELIST": "a[3-5]", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}
+    assert resolve(env=env)[0] == "a3:61497"
+    with pytest.raises(ValueError, match=r"\$SLURM_JOB_ID is not set"):
+        resolve(env={k: v for k, v in env.items() if k != "SLURM_JOB_ID"})
+
+
+def test_srun_torchrun_torchrun_variables_win():
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+             "SLURM_LOCALID": "0"}
+    torchrun = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}
+    assert resolve(env={**slurm, **torchrun}) == ("n1:29501", 8, 3, 3, "torchrun")
+
+
+@pytest.fixture
+def agent_store():
+    """A TCPStore server standing in for torchrun's agent store; yields (store, torchrun-like env)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "run-a", "TORCHELASTIC_RESTART_COUNT": "0"}
+    yield store, env
+
+
+def test_torchrun_rank0_publishes_a_free_port_through_the_store(agent_store):
+    store, env = agent_store
+    coord0 = resolve(env=dict(env, RANK="0", LOCAL_RANK="0"))[0]
+    host, port = coord0.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) != store.port
+    assert store.get(coordinator_key(env)).decode() == coord0
+    assert resolve(env=dict(env, RANK="1", LOCAL_RANK="1")) == (coord0, 2, 1, 1, "torchrun")
+    # a restarted job reads its own key, never the value of the attempt before
+    with pytest.raises(RuntimeError, match=r"rank 1 waited 1 s for rank 0 to publish .*timeout_s="):
+        resolve(env=dict(env, RANK="1", TORCHELASTIC_RESTART_COUNT="1"), timeout_s=1)
+    assert coordinator_key(dict(env, TORCHELASTIC_RESTART_COUNT="1")) != coordinator_key(env)
+    assert coordinator_key(dict(env, TORCHELASTIC_RUN_ID="run-b")) != coordinator_key(env)
+
+
+def test_torchrun_store_unreachable_is_named():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    with pytest.raises(RuntimeError, match=r"cannot reach torchrun's store at 127.0.0.1:\d+ .*JAX_COORDINATOR_PORT"):
+        resolve(env=env, timeout_s=1)
+
+
+def test_busy_coordinator_port_is_an_error_not_a_segfault():
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        with pytest.raises(RuntimeError, match=r"port \d+ .* already in use .*JAX_COORDINATOR_PORT"):
+            distributed._check_port_free(f"127.0.0.1:{s.getsockname()[1]}")
+    distributed._check_port_free(f"127.0.0.1:{distributed.free_port()}")
+
+
+def test_initialize_under_srun_torchrun_passes_local_rank_and_switches_detection_off(agent_store, monkeypatch):
+    """GPU, rank 1 of torchrun inside a SLURM step: LOCAL_RANK's device, not SLURM_LOCALID's, and no auto-detect."""
+    import jax
+    import torch
+    from jax._src import xla_bridge
+
+    store, env = agent_store
+    store.set(coordinator_key(env), "127.0.0.1:4321")  # what rank 0 published
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
+             "SLURM_LOCALID": "0"}
+    for name, value in {**slurm, **env, "RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("JAX_COORDINATOR_PORT", "JAX_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    calls = []
+    fake = functools.wraps(jax.distributed.initialize)(lambda **kw: calls.append(kw))  # keeps its signature
+    monkeypatch.setattr(jax.distributed, "initialize", fake)
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append({"set_device": i}))
+    monkeypatch.setattr(distributed, "_STATE", {})
+    info = distributed.initialize(platform="gpu", timeout_s=5)
+    assert calls[0] == {"set_device": 1}
+    kw = calls[1]
+    assert kw["coordinator_address"] == "127.0.0.1:4321" and kw["num_processes"] == 2 and kw["process_id"] == 1
+    assert kw["local_device_ids"] == [1] and kw["cluster_detection_method"] == "deactivate"
+    assert (info.rank, info.world_size, info.local_rank, info.source) == (1, 2, 1, "torchrun")
 
 
 @pytest.mark.parametrize("nodes, host", [("n01", "n01"), ("n01,n02", "n01"), ("a[3-5,7]", "a3"),
@@ -71,7 +198,33 @@ def test_launcher_kills_all_on_first_failure(tmp_path):
     t0 = time.monotonic()
     assert launch([s], 3, timeout_s=60, out=out) == 3
     assert time.monotonic() - t0 < 30
-    assert "rank 1 exited with 3; stopping the others" in out.getvalue()
+    assert "rank 1 exited with 3 first; stopping the others" in out.getvalue()
+
+
+def test_launcher_names_the_rank_that_failed_first_in_time(tmp_path):
+    """Rank 1 raises at once; rank 0 fails later (lower number, later in time): rank 1 is named, with its log."""
+    s = _script(tmp_path, "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                          "if rank == 1:\n    print('rank one starting')\n    raise RuntimeError('boom in rank 1')\n"
+                          "time.sleep(1)\nsys.exit(3)\n")
+    out = io.StringIO()
+    assert launch([s], 2, timeout_s=60, out=out) == 1
+    log = out.getvalue()
+    assert "[launch] rank 1 exited with 1 first; stopping the others" in log
+    report = log[log.index("[launch] rank 1 exited"):]
+    assert "[launch] | rank one starting" in report and "[launch] | RuntimeError: boom in rank 1" in report
+    assert "rank 0 exited" not in log
+
+
+def test_launcher_gives_jax_its_own_port(tmp_path):
+    s = _script(tmp_path, "print('ports', os.environ['MASTER_PORT'], os.environ['JAX_COORDINATOR_PORT'])\n")
+    out = io.StringIO()
+    assert launch([s], 2, timeout_s=60, out=out, env={k: v for k, v in os.environ.items()
+                                                     if not k.startswith("JAX_COORDINATOR")}) == 0
+    ports = {tuple(line.split()[-2:]) for line in out.getvalue().splitlines() if " ports " in line}
+    assert len(ports) == 1 and len(set(next(iter(ports)))) == 2  # same on every rank; JAX's != MASTER_PORT
+    out = io.StringIO()
+    assert launch([s], 1, timeout_s=60, out=out, env=dict(os.environ, JAX_COORDINATOR_PORT="5555")) == 0
+    assert out.getvalue().split()[-1] == "5555"
 
 
 def test_launcher_global_timeout(tmp_path):
