@@ -26,7 +26,7 @@ def model(name: str, n_devices: int, exchange: str) -> DistributedMLIP:
 @functools.cache
 def expected(name: str, structure: str) -> dict:
     w, atoms = cases.wrapper(name), cases.structure(structure)
-    if name == "mace":
+    if name.startswith("mace"):
         return mace_reference(w.model, atoms)
     return reference(w.model, atoms, w.cutoff, w.node_attrs(atoms.numbers))
 
@@ -59,16 +59,16 @@ def test_mpnn_matches_one_device(structure, n_devices, exchange):
           [(r["owned"], r["ghost"], r["edges"]) for r in rows])
 
 
-MACE_CASES = [("cubic", 2, "per_layer"), ("triclinic", 4, "per_layer"), ("slab", 8, "per_layer"),
-              ("triclinic", 2, "deep_halo")]
+MACE_CASES = [("mace", "cubic", 2, "per_layer"), ("mace", "triclinic", 4, "per_layer"), ("mace", "slab", 8, "per_layer"),
+              ("mace-short", "small", 2, "deep_halo")]  # deep halo: n_layers x r_max of ghosts (several images), every row computed
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("structure,n_devices,exchange", MACE_CASES)
-def test_mace_matches_its_own_forward(structure, n_devices, exchange):
+@pytest.mark.parametrize("name,structure,n_devices,exchange", MACE_CASES)
+def test_mace_matches_its_own_forward(name, structure, n_devices, exchange):
     pytest.importorskip("mace", reason="needs mace-torch: pip install 'nvalchemi_jaxbridge[mlip]'")
-    out, state = run("mace", structure, n_devices, exchange)
-    check(out, expected("mace", structure))
+    out, state = run(name, structure, n_devices, exchange)
+    check(out, expected(name, structure))
     print(f"mace {structure} {exchange} rows per device:", state.rows_per_device())
 
 
