@@ -35,8 +35,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import logging
 import os
-import sys
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -50,6 +50,8 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from . import _triton_interp
 from .dlpack import DLPackError, buffer_to_torch, check_x64_numpy, check_x64_torch
+
+_log = logging.getLogger(__name__)
 
 _KDL_CUDA = 2
 _KDL_ROCM = 10
@@ -953,7 +955,7 @@ def _platform() -> str:
 
 
 def _report_failure(op: str, what: str, buf: Any, e: BaseException) -> None:
-    """Write a failed callback's error to stderr at once, naming the op and the device.
+    """Log a failed callback's error at once (level ERROR: shown without logging set up), naming the op and device.
 
     The exception is raised too, but when the program has collectives the other
     devices wait for this one in a rendezvous, and XLA may end the process at its
@@ -961,13 +963,10 @@ def _report_failure(op: str, what: str, buf: Any, e: BaseException) -> None:
     """
     kind, index = buf.__dlpack_device__()
     device = f"cuda:{index}" if kind in (_KDL_CUDA, _KDL_ROCM) else "cpu"
-    print(
-        f"nvalchemi_jaxbridge: on device {device}: torch op {op} failed inside its {what} "
-        f"(callback path): {type(e).__name__}: {e}\n(also raised as a JAX error; if other devices wait "
-        f"for this one in a collective, XLA may stop the process before that error reaches Python)",
-        file=sys.stderr,
-        flush=True,
-    )
+    _log.error(
+        "nvalchemi_jaxbridge: on device %s: torch op %s failed inside its %s (callback path): %s: %s\n(also raised as a JAX "
+        "error; if other devices wait for this one in a collective, XLA may stop the process before that "
+        "error reaches Python)", device, op, what, type(e).__name__, e)
 
 
 def _is_data_dependent(e: BaseException) -> bool:

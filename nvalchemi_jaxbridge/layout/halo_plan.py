@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from collections.abc import Mapping
 
@@ -34,6 +35,8 @@ from ._assemble import OnOverflow, _assemble, _pair_request, _positive_int, _rea
 from .errors import HaloOverflowError as HaloOverflowError
 from .grid import choose_grid
 from .partition import effective_cell, partition
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -201,12 +204,16 @@ class HaloPlan:
                 f"HaloPlan.rebuild: positions have shape {pos.shape} but the plan has {self.n_atoms} atoms; "
                 "a different atom count needs HaloPlan.build."
             )
-        return HaloPlan.build(
+        plan = HaloPlan.build(
             pos, self.cell, periodic=self.periodic, cutoff=self.cutoff, skin=self.skin,
             n_devices=self.n_devices, grid=self.grid, headroom=self.headroom,
             owned_capacity=self.owned_capacity, ghost_capacity=self.ghost_capacity,
             pair_capacities=dict(zip(self.offsets, self.pair_capacities)), on_overflow=on_overflow,
         )
+        if plan.grown:
+            _log.info("HaloPlan.rebuild: grew %s (programs compiled for the old capacities recompile once)",
+                      ", ".join(plan.grown))
+        return plan
 
     # ------------------------------------------------------------ properties
 

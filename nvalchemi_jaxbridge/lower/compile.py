@@ -37,7 +37,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..spec.transforms import (
@@ -51,7 +51,7 @@ from ..spec.transforms import (
 from . import collectives as C
 from . import exchange
 from .entries import _Entry, _find, _position_args, _resolve, _storage_kind, jax_kernel
-from .mesh import mesh_axis
+from .mesh import auto_mesh, mesh_axis
 from .tables import HaloTables, ShardTables, Tables, device_tables, is_halo_plan, is_shard_plan, place
 
 _STATIC_TYPES = (bool, int, float, complex, str, bytes, type(None))
@@ -221,6 +221,7 @@ class CompiledSpec:
             fn = self._build(e, treedef, roles)
             self._cache[key] = fn
         dyn = [x for x, r in zip(flat, roles) if r[0] != "static"]
+        _refuse_explicit(dyn, e)
         out, single = fn(self.tables, *dyn)
         return out[0] if single else out
 
@@ -463,6 +464,20 @@ def _unflatten(static: _Static, children: tuple[Tables]) -> CompiledSpec:
 jax.tree_util.register_pytree_node(CompiledSpec, _flatten, _unflatten)
 
 
+def _refuse_explicit(leaves: list, e: _Entry) -> None:
+    """A clear error for arrays typed over an `Explicit` mesh axis: the programs run on an `Auto` mesh."""
+    for i, x in enumerate(leaves):
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if mesh is not None and AxisType.Explicit in tuple(getattr(mesh, "axis_types", ())):
+            raise ValueError(
+                f"CompiledSpec.call({e.name}): argument leaf {i} is sharded over an Explicit mesh axis "
+                f"({dict(mesh.shape)}), but the compiled programs run on the Auto-typed copy `cs.mesh` "
+                "(compile converts a jax.make_mesh mesh); place inputs with cs.owned()/cs.halo(), or build "
+                "the mesh with jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,)) and call "
+                "outside jax.set_mesh of an Explicit mesh."
+            )
+
+
 # ------------------------------------------------------------------- compile
 
 
@@ -486,7 +501,8 @@ def compile(  # noqa: A001 - the name users know from the spec
         spec: a `DistributionSpec` with a halo policy (`HaloStoragePolicy`,
             `RefreshOnlyHaloPolicy`) or a sharded one (`PlainShard`,
             `GraphParallelPolicy`); its `custom_ops` are the adapters.
-        mesh: a 1-D mesh (`make_mesh`) with `plan.n_devices` devices.
+        mesh: a 1-D mesh with `plan.n_devices` devices: `make_mesh`, or `jax.make_mesh` (an
+            `Explicit` axis is used as `Auto`: `CompiledSpec.mesh` is that copy).
         plan: a `HaloPlan` (halo policies) or `ShardPlan` (sharded policies).
         kernel_for: the kernel slot, `op -> callable of local jax arrays`
             (optional, default `jax_kernel`: Python callables only). A kernel may
@@ -518,6 +534,7 @@ def compile(  # noqa: A001 - the name users know from the spec
         >>> cs = compile(spec, make_mesh(8), plan, positions={"lj": [0]})
         >>> forces, energy = cs.call("lj", cs.owned(pos, positions=True), cs.halo_owned_mask())
     """
+    mesh = auto_mesh(mesh)  # a jax.make_mesh mesh has an Explicit axis
     axis = mesh_axis(mesh)
     kind = _storage_kind(spec)
     if kind == "halo" and not is_halo_plan(plan):

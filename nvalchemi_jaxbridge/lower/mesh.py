@@ -66,9 +66,23 @@ def mesh_axis(mesh: Mesh) -> str:
     if len(mesh.axis_names) != 1:
         raise ValueError(
             f"expected a 1-D mesh (one axis that atoms are spread over), got axes "
-            f"{mesh.axis_names} of shape {dict(mesh.shape)}; build it with make_mesh()."
+            f"{mesh.axis_names} of shape {dict(mesh.shape)}; pass a mesh with one axis over the same "
+            f"devices, e.g. jax.make_mesh(({mesh.devices.size},), ('atoms',)) or "
+            f"nvalchemi_jaxbridge.make_mesh({mesh.devices.size})."
         )
     return mesh.axis_names[0]
+
+
+def auto_mesh(mesh: Mesh) -> Mesh:
+    """`mesh` with its axis typed `Auto`: a `jax.make_mesh` mesh (`Explicit` by default) becomes usable.
+
+    The compiled programs place their own inputs (`owned`, `halo`) on this mesh
+    and take `jax.grad` without `jax.set_mesh`, which an `Explicit` axis would need.
+    """
+    mesh_axis(mesh)
+    if tuple(mesh.axis_types) == (AxisType.Auto,):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,))
 
 
 def field_shardings(

@@ -32,7 +32,7 @@ from ..layout import HaloPlan
 from ..lower import collectives as C
 from ..lower import compile as lower_compile
 from ..lower import exchange as X
-from ..lower import make_mesh
+from ..lower import auto_mesh, make_mesh
 from ..lower.tables import place
 from ..spec import DistributionSpec
 from .edges import EdgePlan
@@ -172,7 +172,7 @@ class DistributedMLIP:
         self.wrapper, self.exchange, self.skin, self.headroom = wrapper, exchange, float(skin), float(headroom)
         self.settings: RunSettings = run_settings(wrapper.distribution_spec() if spec is None else spec,
                                                   per_layer=exchange == "per_layer")
-        self.mesh = mesh if mesh is not None else make_mesh(n_devices)
+        self.mesh = auto_mesh(mesh) if mesh is not None else make_mesh(n_devices)
         gpu = self.mesh.devices.flat[0].platform == "gpu"
         self.stages = Stages.of(wrapper, call_path=call_path, device="cuda" if gpu else "cpu")
         self._value_and_grad = jax.jit(jax.value_and_grad(self.energy_fn, argnums=(1, 2), has_aux=True))

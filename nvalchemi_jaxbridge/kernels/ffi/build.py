@@ -14,6 +14,7 @@ import dataclasses
 import fcntl
 import glob
 import hashlib
+import logging
 import os
 import pathlib
 import shlex
@@ -25,9 +26,11 @@ from typing import Any
 
 from ..torch_op import KernelError
 
+_log = logging.getLogger(__name__)
+
 SOURCE = pathlib.Path(__file__).with_name("torch_call.cc")
 LIB_NAME = "jaxbridge_torch_call.so"
-EXPECTED_SECONDS = 20  # first-use build (12-17 s measured on a loaded 2-core machine); said in the progress line
+EXPECTED_SECONDS = 15  # first-use build (12-17 s measured on a 2-core machine); said in the log line and the docs
 FALLBACK = (
     'Use the buffer_callback path instead: TorchOpKernel(op, call_path="callback"), or set '
     "JAXBRIDGE_KERNEL_PATH=callback."
@@ -106,8 +109,6 @@ def _cpp_extension() -> Any:
     module is first imported; the FFI build only reads paths from it, so that line
     would be noise in every user's output.
     """
-    import logging
-
     log = logging.getLogger("torch.utils.cpp_extension")
     level = log.level
     log.setLevel(logging.ERROR)
@@ -171,7 +172,7 @@ def build(cfg: BuildConfig | None = None, *, quiet: bool = False) -> pathlib.Pat
 
     Args:
         cfg: the configuration (default `config()`).
-        quiet: no progress lines on stderr.
+        quiet: no progress lines (they go to the `logging` logger of this module, level INFO).
 
     Returns:
         The path of the shared library.
@@ -193,8 +194,8 @@ def build(cfg: BuildConfig | None = None, *, quiet: bool = False) -> pathlib.Pat
             tmp = target_dir / f".{LIB_NAME}.{os.getpid()}.tmp"
             cmd = cfg.command(tmp)
             if not quiet:
-                print(f"nvalchemi_jaxbridge: compiling the torch FFI call path into {target_dir} "
-                      f"(first use; ~{EXPECTED_SECONDS} s)", file=sys.stderr, flush=True)
+                _log.info("compiling the torch FFI call path into %s (first use; about %d s)", target_dir,
+                          EXPECTED_SECONDS)
             t0 = time.perf_counter()
             try:
                 res = subprocess.run(cmd, capture_output=True, text=True)
@@ -210,8 +211,7 @@ def build(cfg: BuildConfig | None = None, *, quiet: bool = False) -> pathlib.Pat
                 )
             os.replace(tmp, lib)
             if not quiet:
-                print(f"nvalchemi_jaxbridge: compiled the torch FFI call path in {time.perf_counter() - t0:.1f} s",
-                      file=sys.stderr, flush=True)
+                _log.info("compiled the torch FFI call path in %.1f s", time.perf_counter() - t0)
             return lib
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
