@@ -19,10 +19,10 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT_S = 120
 
 
-def test_the_four_notebooks_exist():
+def test_the_five_notebooks_exist():
     names = [p.name for p in NOTEBOOKS]
     assert names == ["01_jax_front_door.ipynb", "02_pytorch_front_door.ipynb", "03_bring_your_own_kernel.ipynb",
-                     "04_distribute_a_message_passing_mlip.ipynb"]
+                     "04_distribute_a_message_passing_mlip.ipynb", "05_ase_and_functional_api.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
