@@ -135,7 +135,7 @@ def install_adapter(adapter: Any, live_op: Any) -> Memento:
 
     op, packet = _live_op_parts(live_op)
     site = getattr(adapter, "install_site", "") or "?"
-    label = f"OpAdapter[{op}] installed at {site}"
+    label = f"OpAdapter[{op}] declared at {site}"  # install_site: where the adapter was constructed
     handler = make_handler(adapter, op)
     token = register(_keys(op, packet), handler, label=label)
     return Memento(op, packet, token, label)

@@ -165,18 +165,41 @@ def launch(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point."""
+    """Command-line entry point: `-n N script.py args...` or `-n N -m package.module args...`."""
     p = argparse.ArgumentParser(
         prog="python -m nvalchemi_jaxbridge.torch.launch",
         description="Start N local processes with torchrun-style RANK/WORLD_SIZE/MASTER_* variables.",
+        usage="%(prog)s -n N [--timeout S] [--port P] (script.py | -m module) [args ...]",
     )
     p.add_argument("-n", "--nprocs", type=int, required=True, help="number of processes")
-    p.add_argument("--timeout", type=float, default=600.0, help="global timeout in seconds")
+    p.add_argument("--timeout", type=float, default=600.0, help="global timeout in seconds (default 600)")
     p.add_argument("--port", type=int, default=None, help="MASTER_PORT (default: a free one)")
-    p.add_argument("script", help="the Python script to run")
+    p.add_argument("script", help="the Python script to run, or -m and a module name as with python -m")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if (i := _module_flag(argv)) is not None:  # `-m module args...`: the rest belongs to the module
+        if i + 1 >= len(argv):
+            p.error("-m needs a module name, e.g. -m nvalchemi_jaxbridge.demo.pair_energy")
+        a = p.parse_args([*argv[:i], *argv[i + 1:]])  # the module name in the script slot
+        return launch(["-m", a.script, *a.args], a.nprocs, timeout_s=a.timeout, master_port=a.port)
     a = p.parse_args(argv)
     return launch([a.script, *a.args], a.nprocs, timeout_s=a.timeout, master_port=a.port)
+
+
+def _module_flag(argv: Sequence[str]) -> int | None:
+    """Index of a `-m` that comes before the script (launcher options skipped), else None."""
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "-m":
+            return i
+        if tok in ("-n", "--nprocs", "--timeout", "--port"):
+            i += 2
+        elif tok.startswith("-"):
+            i += 1  # -n4, --timeout=9, -h
+        else:
+            return None  # the script: a later -m is its own argument
+    return None
 
 
 if __name__ == "__main__":

@@ -67,13 +67,13 @@ def test_second_install_stacks_and_restoring_it_brings_back_the_first(x, plan):
     m1 = first.install()
     m2 = second.install()
     try:
-        assert _labels(op) == [f"OpAdapter[{op}] installed at second"]
+        assert _labels(op) == [f"OpAdapter[{op}] declared at second"]
         assert torch.ops.jbtest.twice(x, x).shape == (12,)  # SliceOwned: n_owned rows
         second.restore(m2)
-        assert _labels(op) == [f"OpAdapter[{op}] installed at first"]
+        assert _labels(op) == [f"OpAdapter[{op}] declared at first"]
         assert torch.ops.jbtest.twice(x, x).shape[0] == int(plan.n_owned[0] + plan.n_ghost[0])
         second.restore(m2)  # twice: harmless, the first stays
-        assert _labels(op) == [f"OpAdapter[{op}] installed at first"]
+        assert _labels(op) == [f"OpAdapter[{op}] declared at first"]
     finally:
         first.restore(m1)
     assert _labels(op) == []

@@ -237,6 +237,15 @@ def test_launcher_global_timeout(tmp_path):
 def test_launcher_cli(tmp_path, capsys):
     s = _script(tmp_path, "sys.exit(0 if sys.argv[1:] == ['a', '--b'] else 5)\n")
     assert main(["-n", "2", "--timeout", "60", s, "a", "--b"]) == 0
+    assert main(["-n", "1", s, "-m", "x"]) == 5  # a -m after the script is the script's own argument
     with pytest.raises(ValueError, match=r"-n must be >= 1"):
         launch([s], 0)
-    assert sys.executable
+
+
+def test_launcher_runs_a_module_with_dash_m(tmp_path, monkeypatch):
+    (tmp_path / "jb_launch_probe.py").write_text(
+        "import os, sys\nsys.exit(0 if sys.argv[1:] == ['--out', 'x'] and os.environ['WORLD_SIZE'] == '2' else 5)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert main(["-n", "2", "--timeout", "60", "-m", "jb_launch_probe", "--out", "x"]) == 0
+    with pytest.raises(SystemExit):
+        main(["-n", "2", "-m"])

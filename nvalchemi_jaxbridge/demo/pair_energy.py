@@ -1,6 +1,6 @@
 """A torch custom-op pair model run through the PyTorch front door, one process per device.
 
-    python -m nvalchemi_jaxbridge.torch.launch -n 2 examples/torch_pair_energy.py --out result.json
+    python -m nvalchemi_jaxbridge.torch.launch -n 2 -m nvalchemi_jaxbridge.demo.pair_energy --out result.json
 
 Every rank builds the same periodic system and plan, wraps its block of the
 positions in a `ShardTensor`, installs two `OpAdapter`s and runs the model
