@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import nvalchemi_jaxbridge.demo.torch_ops  # noqa: F401
 
 OPS = torch.ops.jaxbridge_demo
-SPECS = pathlib.Path(__file__).parents[2] / "examples" / "specs"
+SPECS = pathlib.Path(__file__).parents[2] / "nvalchemi_jaxbridge" / "app" / "specs"  # package data
 
 
 def _cluster(n=5, seed=0, dtype=torch.float64):
