@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--budget-s", type=float, default=240.0, help="stop starting new sizes after this many seconds")
     p.add_argument("--limit-s", type=float, default=1.0, help="largest step time worth growing past")
-    p.add_argument("--iters", type=int, default=None, help="timed steps (default 8, smoke 2)")
+    p.add_argument("--iters", type=int, default=None, help="timed steps (default 8, smoke 1)")
     p.add_argument("--systems", default="lj,dsf", help="comma list of lj, dsf")
     # torch-cells is opt-in: run_all.sh's time budget and its smoke test count the default combinations
     p.add_argument("--kernels", default="torch,triton",
@@ -301,10 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import torch
 
-    iters = a.iters or (2 if a.smoke else 8)
+    iters = a.iters or (1 if a.smoke else 8)
     warmup = 0 if a.smoke else 1  # plus the one step that chooses the repetitions
     dev = torch.device("cuda", 0) if platform == "gpu" else torch.device("cpu")
-    settings = {"dtype": a.dtype, "cutoff": f"{SMOKE_CUTOFF} A (smoke)" if a.smoke else "LJ 8.5 A, DSF 9.0 A", "timing": f"median of up to {iters} steps (at most ~3 s of steps, >= 3) after {warmup + 1} warm-up",
+    settings = {"dtype": a.dtype, "cutoff": f"{SMOKE_CUTOFF} A (smoke)" if a.smoke else "LJ 8.5 A, DSF 9.0 A", "timing": f"median of up to {iters} steps (at most ~3 s of steps, >= {min(3, iters)}) after {warmup + 1} warm-up",
                 "plan": f"HaloPlan headroom 1.0, skin {a.skin} A, built once (no rebuild during the timed steps)",
                 "limits": f"step > {a.limit_s} s or out of memory stops a run; budget {a.budget_s:.0f} s",
                 "memory": "torch: max_memory_allocated since the run began; jax: peak_bytes_in_use of the process so far"}
