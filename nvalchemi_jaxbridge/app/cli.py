@@ -48,25 +48,29 @@ def _spec_show(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from . import model_run, report, run_config, simulate
+    from . import model_run, outputs, report, run_config, simulate, user_op
 
     is_model = args.model is not None or args.checkpoint is not None
     model_run.check_options(model_run=is_model, given=vars(args))
+    outputs.check_paths({"--json-report": args.json_report, "--plot": args.plot, "--trajectory": args.trajectory,
+                         "--thermo": args.thermo})
     if is_model:
         return _run_model(args)
+    every = {k: getattr(args, k) for k in ("trajectory_every", "thermo_every") if getattr(args, k) is not None}
     config = run_config.RunConfig(
-        system=args.system or "argon", spec=args.spec, kernel=args.kernel, devices=args.devices, steps=args.steps,
+        system=args.system, spec=args.spec, kernel=args.kernel, devices=args.devices, steps=args.steps,
         dt=args.dt, temperature=args.temperature, langevin=args.langevin, cells=args.cells, seed=args.seed,
         structure=args.structure, skin=1.0 if args.skin is None else args.skin, check_every=args.check_every,
-        dtype=args.dtype,
+        dtype=args.dtype, op=args.op, params=user_op.parse_params(args.param), rtol=args.rtol,
+        trajectory=args.trajectory, thermo=args.thermo, **every,
     )
-    result = _with_progress(args, config.steps, "MD", lambda progress: simulate.run(config, progress=progress))
+    result = _with_progress(args, config.steps, "compiling", lambda progress: simulate.run(config, progress=progress))
     print(report.format_run(result))
     _write_json(args, result)
     if args.plot:
         report.plot_run(result, args.plot)
         print(f"wrote {args.plot}")
-    return 0
+    return 0 if result.ok else 1
 
 
 def _run_model(args: argparse.Namespace) -> int:
@@ -85,14 +89,30 @@ def _run_model(args: argparse.Namespace) -> int:
 
 
 def _with_progress(args: argparse.Namespace, total: int, desc: str, run: Any) -> Any:
-    """`run(progress)` with a tqdm bar on an interactive stderr (none with --quiet)."""
+    """`run(progress)` with a tqdm bar on an interactive stderr (none with --quiet).
+
+    `progress(done, phase=None, temperature=None, energy=None)`: `phase` becomes the bar's description
+    (e.g. "compiling" until step 1 is done), temperature (K) and energy (eV/atom) its postfix.
+    """
     bar = None
     if not args.quiet and sys.stderr.isatty():
         from tqdm import tqdm
 
         bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr)
+
+    def update(done: int, phase: str | None = None, temperature: float | None = None,
+               energy: float | None = None) -> None:
+        if phase is not None:
+            bar.set_description(phase, refresh=False)
+        if temperature is not None:
+            bar.set_postfix({"T": f"{temperature:.1f} K", "E": f"{energy:.6f} eV/atom"}, refresh=False)
+        if done != bar.n:
+            bar.update(done - bar.n)
+        else:
+            bar.refresh()
+
     try:
-        return run(None if bar is None else lambda done: bar.update(done - bar.n))
+        return run(None if bar is None else update)
     finally:
         if bar is not None:
             bar.close()
@@ -125,8 +145,16 @@ _HANDLERS: dict[tuple[str, str | None], Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
 def _build_parser() -> argparse.ArgumentParser:
+    """Every option's help ends with its default ("(default ...)"); `run --help` lists them all."""
     parser = argparse.ArgumentParser(prog="nvalchemi-jaxbridge", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     groups = parser.add_subparsers(dest="group", required=True, metavar="GROUP")
 
     spec = groups.add_parser("spec", help="inspect and convert spec files")
@@ -136,72 +164,105 @@ def _build_parser() -> argparse.ArgumentParser:
     convert = spec_cmds.add_parser("convert", help="rewrite a spec file as bare or v2")
     convert.add_argument("input", help="spec file to read")
     convert.add_argument("output", help="spec file to write")
-    convert.add_argument("--to", choices=("bare", "v2"), required=True, help="target form")
+    convert.add_argument("--to", choices=("bare", "v2"), required=True, help="target form (required)")
     convert.add_argument(
         "--drop-envelope", action="store_true",
-        help="with --to bare: discard non-default v2 envelope keys instead of refusing",
+        help="with --to bare: discard non-default v2 envelope keys instead of refusing (default off)",
     )
     show = spec_cmds.add_parser("show", help="the compiled plan: mesh, partition specs, collectives and bytes")
     show.add_argument("file", help="spec file (JSON)")
     show.add_argument("--devices", type=int, default=None, help="devices (default 8 CPU devices, or all GPUs)")
     show.add_argument("--system", choices=("argon", "rocksalt"), default=None,
-                      help="sample system (default: rocksalt if an op takes charges, else argon)")
-    show.add_argument("--cells", type=int, default=None, help="cubic cells per axis of the sample system")
-    show.add_argument("--structure", default=None, help="read the sample system from this file (ASE)")
-    show.add_argument("--op", default=None, help="module:attr implementing (or registering) the spec's op")
+                      help="sample system (default rocksalt if an op takes charges, else argon)")
+    show.add_argument("--cells", type=int, default=None,
+                      help="cubic cells per axis of the sample system (default 3 argon, 2 rock salt)")
+    show.add_argument("--structure", default=None, help="read the sample system from this file, ASE (default: generated)")
+    show.add_argument("--op", default=None,
+                      help="module:attr implementing (or registering) the spec's op (default: the spec's op name)")
 
+    _add_run_parser(groups)
+
+    val = groups.add_parser("validate", help="single-device vs distributed parity of an op under a spec")
+    val.add_argument("spec", help="spec file (JSON)")
+    val.add_argument("--op", required=True,
+                     help="module:attr: a torch op, a JAX callable, or an attribute of a module that registers the op "
+                          "(required)")
+    val.add_argument("--devices", type=int, default=None, help="devices (default 8 CPU devices, or all GPUs)")
+    val.add_argument("--structure", default=None, help="sample system from this file (default: generated)")
+    val.add_argument("--cells", type=int, default=None,
+                     help="cubic cells per axis of the generated sample (default 3 argon, 2 rock salt)")
+    val.add_argument("--cutoff", type=float, default=None, help="interaction cutoff, Å (default: the op's 'cutoff')")
+    val.add_argument("--skin", type=float, default=0.0, help="extra ghost width beyond the cutoff, Å (default 0)")
+    val.add_argument("--rtol", type=float, default=1e-8,
+                     help="tolerance on max|diff| / max|single-device| (default 1e-8)")
+    return parser
+
+
+def _add_run_parser(groups: Any) -> None:
+    """The `run` command: the demo potentials, the user's own op (--op), or an MLIP (--model)."""
     run = groups.add_parser(
-        "run", help="the demo: domain-decomposed MD from a spec file (or of an MLIP, --model), with a parity report")
+        "run", help="domain-decomposed MD of a demo potential, your own op (--op) or an MLIP (--model), "
+                    "with a parity check")
     run.add_argument("--system", choices=("argon", "rocksalt"), default=None,
-                     help="argon FCC (Lennard-Jones, the default) or NaCl rock salt (DSF Coulomb, charged)")
-    run.add_argument("--spec", default=None, help="spec file (default: the packaged spec file for system and kernel)")
+                     help="argon FCC (Lennard-Jones) or NaCl rock salt (DSF Coulomb, charged) "
+                          "(default argon; rocksalt for an --op that takes charges)")
+    run.add_argument("--spec", default=None,
+                     help="spec file (default: the packaged spec file for --system and --kernel; with --op, "
+                          "GatherInputs / AllReduceSum / ScatterOutputs on the op)")
     run.add_argument("--kernel", choices=("torch", "torch-cells", "triton", "jax"), default=None,
-                     help="torch custom op (default), torch-cells (the same LJ op with an O(N) cell list, "
-                          "argon only), Triton op, or the JAX potential; picks the default spec")
+                     help="torch custom op, torch-cells (the same LJ op with an O(N) cell list, argon only), "
+                          "Triton op, or the JAX potential; picks the default spec (default torch)")
+    run.add_argument("--op", default=None, metavar="MODULE:ATTR",
+                     help="your own force op: (positions[, charges], owned_mask, scalars...) -> (energy, forces), "
+                          "a torch op or a JAX callable; checked against itself on one device "
+                          "(default: the demo potential)")
+    run.add_argument("--param", action="append", default=None, metavar="NAME=VALUE",
+                     help="a scalar parameter of the op, by name; repeat for each (default: the op's own defaults); "
+                          "its 'cutoff' sets the halo cutoff")
     run.add_argument("--devices", type=int, default=None, help="devices (default 8 virtual CPU devices, or all GPUs)")
     run.add_argument("--steps", type=int, default=100, help="MD steps (default 100)")
-    run.add_argument("--dt", type=float, default=None, help="time step in fs (default 5 argon, 2 rock salt)")
-    run.add_argument("--temperature", type=float, default=None, help="initial (and bath) temperature, K")
+    run.add_argument("--dt", type=float, default=None, help="time step in fs (default 5 argon, 2 rock salt, 1 --model)")
+    run.add_argument("--temperature", type=float, default=None,
+                     help="initial (and bath) temperature, K (default 40 argon, 300 rock salt and --model)")
     run.add_argument("--langevin", type=float, default=None, metavar="FRICTION",
-                     help="Langevin (BAOAB) thermostat with this friction in 1/fs (default: NVE)")
-    run.add_argument("--cells", type=int, default=None, help="cubic cells per axis (default 4 argon, 2 rock salt)")
-    run.add_argument("--seed", type=int, default=0, help="velocity and noise seed")
-    run.add_argument("--structure", default=None, help="read the system from an extended XYZ / ASE file")
+                     help="Langevin (BAOAB) thermostat with this friction in 1/fs (default off: NVE)")
+    run.add_argument("--cells", type=int, default=None,
+                     help="cubic cells per axis (default 4 argon, 2 rock salt, 3 --model)")
+    run.add_argument("--seed", type=int, default=0, help="velocity and noise seed (default 0)")
+    run.add_argument("--structure", default=None,
+                     help="read the system from a file in any format ase.io reads (default: generated)")
     run.add_argument("--skin", type=float, default=None,
                      help="Verlet skin of the halo plan, Å (default 1.0; 0.5 with --model)")
     run.add_argument("--check-every", type=int, default=10, help="steps between host rebuild checks (default 10)")
     run.add_argument("--dtype", choices=("float32", "float64"), default=None,
-                     help="default float64 on the CPU, float32 on GPUs")
-    run.add_argument("--json-report", default=None, metavar="PATH", help="write the report as JSON")
-    run.add_argument("--plot", default=None, metavar="PNG", help="energy vs step and atoms per device (matplotlib)")
-    run.add_argument("--quiet", action="store_true", help="no progress bar")
+                     help="floating point type (default float64 on the CPU, float32 on GPUs)")
+    run.add_argument("--rtol", type=float, default=None,
+                     help="parity tolerance, relative to the reference's largest value; exit 1 past it "
+                          "(default 1e-8 in float64, 1e-4 in float32)")
+    run.add_argument("--trajectory", default=None, metavar="PATH",
+                     help="write frames (positions, velocities, energy, forces) as extended XYZ (default none)")
+    run.add_argument("--trajectory-every", type=int, default=None, metavar="K",
+                     help="steps between trajectory frames (default 10)")
+    run.add_argument("--thermo", default=None, metavar="PATH",
+                     help="write step, time, temperature and energies as CSV (default none)")
+    run.add_argument("--thermo-every", type=int, default=None, metavar="K", help="steps between thermo rows (default 10)")
+    run.add_argument("--json-report", default=None, metavar="PATH", help="write the report as JSON (default none)")
+    run.add_argument("--plot", default=None, metavar="PNG",
+                     help="energy vs step and atoms per device, matplotlib (default none)")
+    run.add_argument("--quiet", action="store_true", help="no progress bar (default off)")
     mlip = run.add_argument_group(
         "message-passing model (--model / --checkpoint)",
         "distribute an MLIP on the JAX front door, compare energy, forces and stress with the same model on one "
         "device (exit 1 past --rtol), then run NVE; default structure: rattled fcc Cu/Au, --cells 3 (108 atoms); "
         "--dt defaults to 1 fs, --temperature to 300 K")
     mlip.add_argument("--model", choices=("mpnn", "mace"), default=None,
-                      help="the project's MPNN or a MACE (mace-torch), seeded random weights (--seed)")
+                      help="the project's MPNN or a MACE (mace-torch), seeded random weights, --seed "
+                           "(default none: a potential run)")
     mlip.add_argument("--checkpoint", default=None, metavar="FILE",
-                      help="a torch.save'd MPNN or MACE model to use instead of seeded weights")
+                      help="a torch.save'd MPNN or MACE model to use instead of seeded weights (default none)")
     mlip.add_argument("--exchange", choices=("per_layer", "deep_halo"), default=None,
-                      help="per_layer (halo of one cutoff, refresh between layers; default) or deep_halo "
-                           "(n_layers x cutoff, no exchange)")
-    mlip.add_argument("--rtol", type=float, default=None,
-                      help="parity tolerance, relative to the reference's largest value (default 1e-8 in float64, "
-                           "1e-4 in float32)")
-
-    val = groups.add_parser("validate", help="single-device vs distributed parity of an op under a spec")
-    val.add_argument("spec", help="spec file (JSON)")
-    val.add_argument("--op", required=True,
-                     help="module:attr: a torch op, a JAX callable, or an attribute of a module that registers the op")
-    val.add_argument("--devices", type=int, default=None, help="devices (default 8 CPU devices, or all GPUs)")
-    val.add_argument("--structure", default=None, help="sample system from this file (default: generated)")
-    val.add_argument("--cells", type=int, default=None, help="cubic cells per axis of the generated sample")
-    val.add_argument("--cutoff", type=float, default=None, help="interaction cutoff, Å (default: the op's 'cutoff')")
-    val.add_argument("--skin", type=float, default=0.0, help="extra ghost width beyond the cutoff, Å")
-    val.add_argument("--rtol", type=float, default=1e-8, help="tolerance on max|diff| / max|single-device|")
-    return parser
+                      help="per_layer (halo of one cutoff, refresh between layers) or deep_halo "
+                           "(n_layers x cutoff, no exchange) (default per_layer)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,10 +27,11 @@ MODELS = ("mpnn", "mace")
 SPECIES = (29, 79)
 MASSES = {29: 63.546, 79: 196.966570}
 EXCHANGES = ("per_layer", "deep_halo")
-#: Options of the demo potentials (LJ / DSF) that a model run has no use for.
-DEMO_ONLY = ("system", "spec", "kernel", "langevin", "plot")
+#: Options of the demo potentials (LJ / DSF) and of --op that a model run has no use for.
+DEMO_ONLY = ("system", "spec", "kernel", "langevin", "plot", "op", "param", "trajectory", "trajectory_every",
+             "thermo", "thermo_every")
 #: Options of a model run that the demo potentials have no use for.
-MODEL_ONLY = ("exchange", "checkpoint", "rtol")
+MODEL_ONLY = ("exchange", "checkpoint")
 
 
 def check_options(*, model_run: bool, given: dict[str, Any]) -> None:
@@ -40,7 +41,7 @@ def check_options(*, model_run: bool, given: dict[str, Any]) -> None:
         ValueError: a demo-only option with `--model` / `--checkpoint`, or a model-only one without.
     """
     names = DEMO_ONLY if model_run else MODEL_ONLY
-    if bad := [f"--{n}" for n in names if given.get(n) is not None]:
+    if bad := [f"--{n.replace('_', '-')}" for n in names if given.get(n) is not None]:
         if model_run:
             raise ValueError(
                 f"run: {', '.join(bad)} apply to the demo potentials (Lennard-Jones, DSF), not to a model run; "

@@ -53,20 +53,20 @@ def _torch_overload(obj: Any) -> Any | None:
     return None
 
 
-def pick_adapter(spec: Any, obj: Any, ref: str) -> tuple[Any, Any]:
-    """(the adapter to validate, the op object to run): the spec's adapter for `obj`."""
+def pick_adapter(spec: Any, obj: Any, ref: str, where: str = "validate") -> tuple[Any, Any]:
+    """(the adapter to run, the op object to run): the spec's adapter for `obj`; `where` opens messages."""
     from ..spec import OpAdapter
     from ..spec.op_ref import op_key, resolve_op
 
     adapters = list(spec.custom_ops)
     names = [str(a.describe().target) for a in adapters]
     if not adapters:
-        raise ValueError("validate: the spec declares no op adapters (custom_ops is empty); nothing to validate.")
+        raise ValueError(f"{where}: the spec declares no op adapters (custom_ops is empty); nothing to run.")
     overload = _torch_overload(obj)
     if overload is not None:
         hits = [a for a in adapters if op_key(a.op) == op_key(overload)]
         if not hits:
-            raise ValueError(f"validate: --op {ref} is the torch op {op_key(overload)}, which no adapter of the spec "
+            raise ValueError(f"{where}: --op {ref} is the torch op {op_key(overload)}, which no adapter of the spec "
                              f"declares; the spec's ops are {names}.")
         return hits[0], overload
     if isinstance(obj, str) and "::" in obj:
@@ -77,24 +77,31 @@ def pick_adapter(spec: Any, obj: Any, ref: str) -> tuple[Any, Any]:
         qual = {ref, ref.replace(":", ".")}
         hits = [a for a in adapters if isinstance(a.op, str) and a.op in qual] or (adapters if len(adapters) == 1 else [])
         if not hits:
-            raise ValueError(f"validate: --op {ref} is a callable but the spec has {len(adapters)} adapters {names}; "
+            raise ValueError(f"{where}: --op {ref} is a callable but the spec has {len(adapters)} adapters {names}; "
                              "give a spec with one adapter, or name the op in the spec as module.attr.")
         a = hits[0]
         return OpAdapter(obj, dict(a.arg_transforms), dict(a.output_transforms)), obj
     if len(adapters) != 1:
-        raise ValueError(f"validate: --op {ref} registers ops on import but the spec has {len(adapters)} adapters "
+        raise ValueError(f"{where}: --op {ref} registers ops on import but the spec has {len(adapters)} adapters "
                          f"{names}; pass the op itself (module:op_name).")
     a = adapters[0]
     return a, (resolve_op(a.op) if isinstance(a.op, str) else a.op)
 
 
-def op_params(op: Any) -> list[tuple[str, bool, Any]]:
-    """(name, has a default, default) of the op's positional parameters."""
+def op_params(op: Any, *, keyword_only: bool = False) -> list[tuple[str, bool, Any]]:
+    """(name, has a default, default) of the op's positional parameters (then keyword-only ones if asked)."""
     if hasattr(op, "_schema"):
-        return [(p.name, p.default_value is not None, p.default_value) for p in op._schema.arguments if not p.kwarg_only]
+        return [(p.name, p.default_value is not None, p.default_value) for p in op._schema.arguments
+                if keyword_only or not p.kwarg_only]
     sig = inspect.signature(op)
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    kinds += (inspect.Parameter.KEYWORD_ONLY,) if keyword_only else ()
     return [(p.name, p.default is not inspect.Parameter.empty, p.default) for p in sig.parameters.values() if p.kind in kinds]
+
+
+def role_of(name: str) -> str | None:
+    """The block-convention role a parameter name plays ("positions", "charges", "mask"), or None."""
+    return "positions" if name in _POSITIONS else "charges" if name in _CHARGES else "mask" if name in _MASKS else None
 
 
 def arg_roles(params: list[tuple[str, bool, Any]], where: str) -> list[str]:

@@ -75,13 +75,14 @@ def _halo_messages(plan: Any) -> tuple[int, int, int]:
     return count, rows, padded
 
 
-def collectives(cs: Any, target: Any, *args: Any) -> list[Collective]:
-    """Every collective of one `cs.call(target, *args)`, with rows and bytes.
+def collectives(cs: Any, target: Any, *args: Any, **scalars: Any) -> list[Collective]:
+    """Every collective of one `cs.call(target, *args, **scalars)`, with rows and bytes.
 
     Args:
         cs: a `CompiledSpec`.
         target: the adapter (or its op or target name).
         *args: the call's arguments (arrays give the row sizes; Python scalars are constants).
+        **scalars: scalar keyword arguments of the call (constants).
 
     Returns:
         One `Collective` per transform of the adapter, arguments first, in position order.
@@ -98,7 +99,7 @@ def collectives(cs: Any, target: Any, *args: Any) -> list[Collective]:
         full = list(args)
         for i, a in zip(arrays, arrs):
             full[i] = a
-        return cs_.call(target, *full)
+        return cs_.call(target, *full, **scalars)
 
     outs = jax.eval_shape(call, cs, *arrays.values())
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)
@@ -171,9 +172,12 @@ def format_run(report: Any) -> str:
     """The human report of `simulate.run`."""
     r = report
     owned = np.asarray(r.owned_per_device)
+    species = ", ".join(f"{k} {v}" for k, v in r.species.items())
+    params = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.params.items())
     lines = [
         "nvalchemi-jaxbridge run: report",
-        f"  system       {r.system}: {r.n_atoms} atoms, {r.potential}",
+        f"  system       {r.structure or f'{r.system} (generated)'}: {r.n_atoms} atoms ({species})",
+        f"  potential    {r.potential} on {' + '.join(r.species)}; scalars {params or 'none'}",
         f"  spec         {r.spec}  (op {r.op}, kernel {r.kernel}"
         + (f", {r.call_path} call path" if r.call_path != "-" else "") + ")",
         f"  devices      {r.n_devices} x {r.platform}, domain grid {r.grid}, {r.dtype}",
@@ -182,9 +186,10 @@ def format_run(report: Any) -> str:
         f"wall {r.wall_s:.1f} s)",
         f"  energy       E0 = {r.energy_per_atom[0]:.6f} eV/atom; drift max|E(t)-E(0)|/N = "
         f"{r.drift_max_per_atom:.3e} eV/atom, fit slope {r.drift_slope_per_atom_ps:.3e} eV/atom/ps",
-        f"  parity       step 1 vs {r.parity_reference}:",
+        f"  parity       step 1 vs {r.parity_reference}; tolerance {r.rtol:g} (relative to the reference's "
+        "largest value):",
         f"               forces max abs {r.parity_force_max_abs:.3e} eV/Å, max rel {r.parity_force_max_rel:.3e}; "
-        f"energy rel {r.parity_energy_rel:.3e}",
+        f"energy rel {r.parity_energy_rel:.3e}  {'ok' if r.ok else 'FAIL'}",
         f"  halo         {r.halo_ghost_rows} ghost rows; per step {r.halo_rows_per_step} rows / "
         f"{_fmt_bytes(r.halo_bytes_per_step)} between devices ({_fmt_bytes(r.halo_padded_bytes_per_step)} with padding)",
     ]
@@ -201,6 +206,11 @@ def format_run(report: Any) -> str:
         + (f"; capacities grown: {', '.join(r.grown)}" if r.grown else ""),
         f"  temperature  final {r.final_temperature:.1f} K",
     ]
+    written = [f"{what} {path} ({count} {'frames' if what == 'trajectory' else 'rows'})"
+               for what, (path, count) in r.outputs.items()]
+    if written:
+        lines.append(f"  outputs      {'; '.join(written)}")
+    lines.append("  result       " + ("ok" if r.ok else "FAILED: parity outside tolerance"))
     return "\n".join(lines)
 
 

@@ -1,4 +1,7 @@
-"""The demo MD job behind `nvalchemi-jaxbridge run`: system -> HaloPlan -> compiled step -> loop -> report.
+"""The MD job behind `nvalchemi-jaxbridge run`: system -> HaloPlan -> compiled step -> loop -> report.
+
+The force op is a demo potential or the user's own (`--op`, `app/user_op.py`: scalars bound
+by name); the trajectory and thermo files are written by `app/outputs.py`.
 
 One MD step is one compiled program: `jax.jit` over the `CompiledSpec` (a
 pytree, so a rebuilt plan with equal capacities reuses the program) and the
@@ -8,7 +11,9 @@ ScatterOutputs on forces, AllReduceSum on the energy), then the velocity Verlet
 (or BAOAB) update on owned rows. Every `check_every` steps the host checks the
 plan's displacement criterion; a rebuild wraps positions into the cell, builds
 the new plan, carries velocities and forces across through global-ID order and
-asserts that every atom is still owned exactly once.
+asserts that every atom is still owned exactly once. Step 1 is checked against a
+reference (the demo's numpy one, or the user's op on one device): `RunReport.ok` is
+False past the tolerance.
 
 Call `configure_jax` before anything else touches JAX (the CLI does).
 """
@@ -23,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .run_config import SYSTEM_DEFAULTS, Potential, RunConfig, configure_jax, make_system, potential_for, wrap
+from .run_config import SYSTEM_DEFAULTS, Potential, RunConfig, configure_jax, make_system, wrap
 
 
 class AtomLossError(RuntimeError):
@@ -35,7 +40,7 @@ class AtomLossError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class RunReport:
-    """What a run measured. `to_dict()` is the `--json-report` content."""
+    """What a run measured. `to_dict()` is the `--json-report` content (without the final arrays)."""
 
     system: str
     potential: str
@@ -72,6 +77,18 @@ class RunReport:
     grown: tuple[str, ...]
     final_temperature: float
     call_path: str = "-"  # how a torch kernel was called: "ffi" or "callback (<why>)"; "-" for a JAX kernel
+    structure: str | None = None  # the file read, or None for a generated system
+    species: dict[str, int] = dataclasses.field(default_factory=dict)  # atoms per chemical symbol
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)  # the op's scalars, bound by name
+    rtol: float = 1e-8
+    outputs: dict[str, Any] = dataclasses.field(default_factory=dict)  # {"trajectory": (path, frames), ...}
+    final_positions: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
+    final_velocities: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def ok(self) -> bool:
+        """Step-1 energy and forces within `rtol` of the reference (relative to its largest value)."""
+        return max(self.parity_energy_rel, self.parity_force_max_rel) <= self.rtol
 
     @property
     def load_imbalance(self) -> float:
@@ -80,8 +97,10 @@ class RunReport:
         return float(owned.max() / owned.mean() - 1.0)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of every field plus the load balance summary."""
-        d = dataclasses.asdict(self)
+        """A JSON-ready dict of every field but the final arrays, plus `ok` and the load balance summary."""
+        d = dataclasses.asdict(dataclasses.replace(self, final_positions=None, final_velocities=None))
+        del d["final_positions"], d["final_velocities"]
+        d["ok"] = self.ok
         d["load_imbalance"] = self.load_imbalance
         d["owned_min"], d["owned_max"] = min(self.owned_per_device), max(self.owned_per_device)
         return d
@@ -109,20 +128,28 @@ class _Loop:
     state: Any
 
 
-def run(config: RunConfig, *, progress: Callable[[int], Any] | None = None) -> RunReport:
+def run(config: RunConfig, *, progress: Callable[..., Any] | None = None) -> RunReport:
     """Run the MD job and measure it (call `configure_jax` first).
 
     Args:
         config: what to simulate.
-        progress: called with the number of steps done after each step (e.g. a tqdm update).
+        progress: called as `progress(done, **status)` after each step, `done` the steps done; `status`
+            may hold `phase` ("compiling" before step 1, then "MD") and, at the host checks,
+            `temperature` (K) and `energy` (total, eV/atom).
 
     Returns:
-        The `RunReport`.
+        The `RunReport` (`report.ok` is False when step 1 is outside the tolerance).
 
     Raises:
         AtomLossError: a rebuild lost an atom (never expected).
-        ValueError: bad configuration (the message names the option).
+        ValueError: bad configuration or output path (the message names the option).
     """
+    from . import outputs, user_op
+
+    outputs.check_paths({"--trajectory": config.trajectory, "--thermo": config.thermo})
+    if config.trajectory is not None:
+        outputs.require_ase("--trajectory")
+
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -133,41 +160,25 @@ def run(config: RunConfig, *, progress: Callable[[int], Any] | None = None) -> R
     from ..layout import HaloPlan
     from ..lower import make_mesh
     from .report import collectives
-    from ..spec import DistributionSpec, OpAdapter, load_spec
+    from .run_config import check_species, species_counts
 
     t_start = time.perf_counter()
     devices, dtype_name = configure_jax(config.devices, dtype=config.dtype)
     dtype = np.dtype(dtype_name)
     n_dev = len(devices)
-    pot = potential_for(config.system)
+    fop = user_op.resolve(config)
+    config = dataclasses.replace(config, system=config.system or ("rocksalt" if fop.charged else "argon"))
+    pot, adapter, roles, scalars = fop.potential, fop.adapter, fop.roles, fop.scalars
     _, dt_default, _ = SYSTEM_DEFAULTS[config.system]
     dt = float(config.dt if config.dt is not None else dt_default)
-    sys_ = make_system(config)
+    sys_ = make_system(config, charged=fop.charged)
+    check_species(sys_, pot, config.structure or f"the generated {config.system} system")
     n = sys_.n_atoms
 
-    spec_path = config.spec_path()
-    spec = load_spec(spec_path).distribution
-    if len(spec.custom_ops) != 1:
-        raise ValueError(
-            f"run: {spec_path} declares {len(spec.custom_ops)} op adapters; the MD job runs one force op "
-            "(positions[, charges], owned_mask, scalars) -> (energy, forces)."
-        )
-    adapter = spec.custom_ops[0]
-    if config.kernel == "jax":
-        adapter = OpAdapter(pot.jax_block(), dict(adapter.arg_transforms), dict(adapter.output_transforms))
-        spec = DistributionSpec(policy=spec.policy, custom_ops=(adapter,))
-        op_name = f"{pot.jax_block().__module__}.{pot.jax_block().__name__}"
-    else:
-        from ..demo import torch_ops  # noqa: F401  registers the jaxbridge_demo:: ops
-
-        op_name = str(adapter.op)
-
-    cutoff = float(pot.params.cutoff)
-    plan = HaloPlan.build(sys_.positions, sys_.cell, periodic=sys_.periodic, cutoff=cutoff,
+    plan = HaloPlan.build(sys_.positions, sys_.cell, periodic=sys_.periodic, cutoff=fop.cutoff,
                           skin=config.skin, n_devices=n_dev, headroom=1.5)
-    cs = kcompile(spec, make_mesh(n_dev, devices=devices), plan, positions={adapter: [0]})
-    scalars = pot.scalars()
-    charged = pot.charged
+    cs = kcompile(fop.spec, make_mesh(n_dev, devices=devices), plan, positions={adapter: [0]})
+    charged = fop.charged
     friction = config.langevin
     bath_t = float(config.temperature if config.temperature is not None else SYSTEM_DEFAULTS[config.system][2])
 
@@ -187,9 +198,17 @@ def run(config: RunConfig, *, progress: Callable[[int], Any] | None = None) -> R
         spec = P(cs.axis)
         return jax.shard_map(lambda b: b[:oc], mesh=cs.mesh, in_specs=spec, out_specs=spec)(halo)
 
+    def call_args(cs: Any, x: Any, lay: dict[str, Any]) -> list[Any]:
+        """The block arrays in the op's order (roles by parameter name); scalars go by keyword."""
+        return [x if r == "positions" else lay["charges"] if r == "charges" else cs.halo_owned_mask() for r in roles]
+
     def forces(cs: Any, x: Any, lay: dict[str, Any]) -> tuple[Any, Any]:
-        extra = (lay["charges"],) if charged else ()
-        energy, f_halo = cs.call(adapter, x, *extra, cs.halo_owned_mask(), *scalars)
+        outs = cs.call(adapter, *call_args(cs, x, lay), **scalars)
+        if not (isinstance(outs, (tuple, list)) and len(outs) == 2 and outs[0].ndim == 0 and outs[1].ndim == 2
+                and outs[1].shape[1] == 3):
+            raise ValueError(f"run: {fop.name} returned {_shapes(outs)}; the MD job needs (energy (), forces (R, 3)) "
+                             "(block convention).")
+        energy, f_halo = outs
         return energy, owned_rows(cs, f_halo)
 
     def step(cs: Any, state: md.MDState, lay: dict[str, Any], key: Any) -> tuple[md.MDState, Any]:
@@ -222,13 +241,17 @@ def run(config: RunConfig, *, progress: Callable[[int], Any] | None = None) -> R
             energy, f = jnp.zeros((), dtype), cs.owned(frc.astype(dtype))
         return md.MDState(x, v, f, energy)
 
+    if progress is not None:
+        progress(0, phase="compiling")
+    rec = outputs.Recorder(config, sys_, dt, progress)
     lay = layout(cs)
     t0 = time.perf_counter()
     state = place(cs, sys_.positions, sys_.velocities, None, lay)
-    e0 = float(state.energy) + float(0.5 * MVV2E * np.sum(sys_.masses[:, None] * sys_.velocities**2))
+    e_kin0 = float(0.5 * MVV2E * np.sum(sys_.masses[:, None] * sys_.velocities**2))
+    e0 = float(state.energy) + e_kin0
+    rec.start(cs, state, float(state.energy), e_kin0)
     loop = _Loop(cs, lay, state)
     key = jax.random.key(config.seed)
-    energies: list[Any] = []
     rebuilds: list[int] = []
     late: list[int] = []
     grown: list[str] = []
@@ -236,31 +259,31 @@ def run(config: RunConfig, *, progress: Callable[[int], Any] | None = None) -> R
     t_first = None
     for i in range(config.steps):
         loop.state, en = step_fn(loop.cs, loop.state, loop.layout, jax.random.fold_in(key, i))
-        energies.append(en)
+        rec.step(i + 1, loop.cs, loop.state, en)
         if i == 0:
             jax.block_until_ready(loop.state)
             t_first = time.perf_counter()
             parity = _parity(loop.cs, loop.state, pot, sys_, float(en[0]))
+            if progress is not None:
+                progress(1, phase="MD")
         if (i + 1) % config.check_every == 0 and i + 1 < config.steps:
+            rec.flush()
             loop = _check_and_rebuild(loop, i + 1, config, sys_, layout, place, rebuilds, late, grown)
         if progress is not None:
             progress(i + 1)
     jax.block_until_ready(loop.state)
     t_end = time.perf_counter()
 
-    e = np.asarray(jnp.stack(energies)) if energies else np.zeros((0, 2))
+    e = rec.finish()
     total = np.concatenate([[e0], e.sum(axis=1)])
     drift, slope = energy_drift(total, n, dt)
     per_step = (t_end - t_first) / (config.steps - 1) if config.steps > 1 else t_end - t0
     vel = loop.cs.to_global(loop.state.velocities)
     final_t = float(md.temperature(jnp.asarray(vel), jnp.asarray(sys_.masses)))
     plan = loop.cs.plan
-    x_sample = loop.state.positions
-    call_args = (x_sample, *((loop.layout["charges"],) if charged else ()), loop.cs.halo_owned_mask(), *scalars)
-    coll = collectives(loop.cs, adapter, *call_args)
+    coll = collectives(loop.cs, adapter, *call_args(loop.cs, loop.state.positions, loop.layout), **scalars)
     return RunReport(
-        system=config.system, potential=pot.name, spec=spec_path, op=op_name,
-        kernel=config.kernel or ("jax" if not isinstance(adapter.op, str) and not hasattr(adapter.op, "_schema") else "torch"),
+        system=config.system, potential=pot.name, spec=fop.spec_path, op=fop.name, kernel=fop.kernel,
         n_atoms=n, n_devices=n_dev, platform=devices[0].platform, dtype=dtype_name, grid=tuple(plan.grid),
         steps=config.steps, dt=dt,
         thermostat="NVE (velocity Verlet)" if friction is None else f"Langevin BAOAB, friction {friction:g}/fs, {bath_t:g} K",
@@ -268,7 +291,7 @@ def run(config: RunConfig, *, progress: Callable[[int], Any] | None = None) -> R
         energy_per_atom=tuple(float(v) for v in total / n),
         drift_max_per_atom=drift, drift_slope_per_atom_ps=slope,
         parity_energy_rel=parity[0], parity_force_max_abs=parity[1], parity_force_max_rel=parity[2],
-        parity_reference="numpy all-pairs over periodic images (demo.reference), same positions as step 1",
+        parity_reference=fop.reference,
         halo_ghost_rows=int(plan.n_ghost.sum()),
         halo_rows_per_step=int(sum(c.rows for c in coll if c.op == "ppermute")),
         halo_bytes_per_step=int(sum(c.bytes for c in coll)),
@@ -278,7 +301,18 @@ def run(config: RunConfig, *, progress: Callable[[int], Any] | None = None) -> R
         rebuilds=tuple(rebuilds), late_rebuilds=tuple(late), grown=tuple(dict.fromkeys(grown)),
         final_temperature=final_t,
         call_path=_call_path(adapter.op),
+        structure=config.structure, species=species_counts(sys_.atomic_numbers),
+        params=dict(scalars),
+        rtol=config.tolerance(dtype_name), outputs=rec.summary(),
+        final_positions=loop.cs.to_global(loop.state.positions).astype(np.float64),
+        final_velocities=np.asarray(vel, dtype=np.float64),
     )
+
+
+def _shapes(outs: Any) -> str:
+    """The shapes of an op's outputs, for a message."""
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    return f"{len(outs)} output(s) of shapes {[tuple(getattr(o, 'shape', ())) for o in outs]}"
 
 
 def _call_path(op: Any) -> str:
@@ -309,7 +343,7 @@ def _check_and_rebuild(loop: _Loop, step: int, config: RunConfig, sys_: Any, lay
     vel = cs.to_global(loop.state.velocities).astype(np.float64)
     plan = cs.plan
     moved = plan.max_displacement(pos)
-    dt = float(config.dt if config.dt is not None else SYSTEM_DEFAULTS[config.system][1])
+    dt = float(config.dt if config.dt is not None else SYSTEM_DEFAULTS[config.system or "argon"][1])
     ahead = moved + config.check_every * dt * float(np.max(np.linalg.norm(vel, axis=1), initial=0.0))
     exceeded = plan.needs_rebuild(pos)
     if not exceeded and ahead <= plan.skin / 2:

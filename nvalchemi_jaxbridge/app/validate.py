@@ -68,17 +68,18 @@ def single_device_block(system: Any, width: float) -> tuple[np.ndarray, np.ndarr
     return np.concatenate(rows), mask, atom
 
 
-def _call_direct(op: Any, arrays: list[np.ndarray]) -> list[np.ndarray]:
-    """Run the op once on whole arrays, without the bridge; outputs as numpy."""
+def _call_direct(op: Any, arrays: list[np.ndarray], scalars: dict[str, Any] | None = None) -> list[np.ndarray]:
+    """Run the op once on whole arrays (and scalar keyword arguments), without the bridge; outputs as numpy."""
+    scalars = scalars or {}
     if hasattr(op, "_schema"):
         import torch
 
-        outs = op(*[torch.from_numpy(np.ascontiguousarray(a)) for a in arrays])
+        outs = op(*[torch.from_numpy(np.ascontiguousarray(a)) for a in arrays], **scalars)
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
         return [o.detach().cpu().numpy() for o in outs]
     import jax.numpy as jnp
 
-    outs = op(*[jnp.asarray(a) for a in arrays])
+    outs = op(*[jnp.asarray(a) for a in arrays], **scalars)
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)
     return [np.asarray(o) for o in outs]
 
