@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv (Python >= 3.12) and installs the package with its test, thirdparty and mlip extras.
+# Creates .venv (Python >= 3.12) and installs the package with its test, thirdparty, mlip and engines extras.
 # Idempotent: re-installs only when pyproject.toml changed since the last install.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,7 +29,7 @@ if [ ! -x "$venv/bin/python" ]; then
     "$venv/bin/python" -m pip install --quiet --upgrade pip
 fi
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    echo "bootstrap: installing nvalchemi_jaxbridge[test,thirdparty,mlip] into .venv (first run downloads torch and jax)" >&2
-    "$venv/bin/python" -m pip install --quiet --progress-bar off -e ".[test,thirdparty,mlip]"
+    echo "bootstrap: installing nvalchemi_jaxbridge[test,thirdparty,mlip,engines] into .venv (first run downloads torch and jax)" >&2
+    "$venv/bin/python" -m pip install --quiet --progress-bar off -e ".[test,thirdparty,mlip,engines]"
     echo "$want" > "$stamp"
 fi

@@ -1,7 +1,8 @@
 """A jax-md-style functional API over a distributed potential: `neighbor_fn, energy_fn = halo_energy_fn(...)`.
 
-Positions are global `(N, 3)` Cartesian arrays in the caller's atom order. The
-halo layout plays the part of jax-md's neighbour list:
+Positions are global `(N, 3)` arrays in the caller's atom order: Cartesian, or
+fractional with `fractional_coordinates=True` (jax-md's `space.periodic_general`
+default, box `cell.T`). The halo layout plays the part of jax-md's neighbour list:
 
 - `neighbor_fn.allocate(R, previous=None)` (host, not jit-able) builds the layout;
   with `previous` its capacities are kept, or grown where they no longer fit.
@@ -14,6 +15,11 @@ halo layout plays the part of jax-md's neighbour list:
 
 An atom moved by a lattice vector (a wrapping shift function) is mapped back to
 the image the layout was built for, so wrapping needs no re-allocation.
+
+Check the positions the energy was evaluated at: in a jax-md step, where the force
+is computed at the new positions, call `nbrs.update(state.position)` after
+`apply_fn(state, neighbor=nbrs)`, so a chunk that passes used a valid layout for
+every force it computed (tests/integrations/test_jax_md.py).
 """
 
 from __future__ import annotations
@@ -101,6 +107,7 @@ class HaloNeighborFn:
     periodic: tuple[bool, bool, bool]
     per_atom: Mapping[str, np.ndarray]
     skin: float
+    fractional: bool = False
 
     @property
     def n_atoms(self) -> int:
@@ -111,7 +118,7 @@ class HaloNeighborFn:
         """Build the layout for `positions` (host; not jit-able).
 
         Args:
-            positions: `(N, 3)` Cartesian positions (Å).
+            positions: `(N, 3)` Cartesian positions (Å), or fractional ones (`fractional_coordinates`).
             previous: a state of this function whose capacities to keep (grown if needed).
 
         Returns:
@@ -120,6 +127,8 @@ class HaloNeighborFn:
         import jax
 
         pos = self._host_positions(positions, "allocate")
+        if self.fractional:
+            pos = pos @ self.cell
         if previous is None:
             state = prepare(self.potential, pos, self.numbers, self.cell, self.periodic, dict(self.per_atom) or None)
         else:
@@ -146,10 +155,35 @@ class HaloNeighborFn:
         import jax.numpy as jnp
 
         self._check(positions, neighbor, "update")
-        disp, _ = self._displacement(positions, neighbor)
+        disp, _ = self._displacement(self.cartesian(positions), neighbor)
         moved = jnp.max(jnp.sum(disp * disp, axis=1), initial=0.0)
         stale = moved > (self.skin / 2) ** 2
         return dataclasses.replace(neighbor, overflow=jnp.logical_or(neighbor.overflow, stale))
+
+    def cartesian(self, positions: Any) -> Any:
+        """Cartesian `(N, 3)` positions (jit-able): `positions` itself, or `R_frac @ cell` when fractional.
+
+        With fractional coordinates the gradient passes through unchanged, as jax-md's
+        `space.transform` does: `jax.grad` of an energy with respect to fractional
+        positions is the real-space gradient (eV/Å), which `periodic_general`'s
+        `shift_fn(R_frac, dR_real)` expects.
+        """
+        if not self.fractional:
+            return positions
+        import jax
+        import jax.numpy as jnp
+
+        cell = jnp.asarray(self.cell, positions.dtype)
+
+        @jax.custom_jvp
+        def to_cartesian(frac):
+            return frac @ cell
+
+        @to_cartesian.defjvp
+        def _(primals, tangents):
+            return to_cartesian(primals[0]), tangents[0]  # real-space tangent (jax-md's convention)
+
+        return to_cartesian(positions)
 
     # ------------------------------------------------------------ helpers
 
@@ -169,9 +203,10 @@ class HaloNeighborFn:
                 f"got {type(neighbor).__name__}; pass it as neighbor=nbrs."
             )
         if tuple(getattr(positions, "shape", ())) != (self.n_atoms, 3):
+            kind = "fractional" if self.fractional else "Cartesian"
             raise ValueError(
                 f"{where}: positions have shape {tuple(getattr(positions, 'shape', ()))}, but this "
-                f"halo_energy_fn is for ({self.n_atoms}, 3) Cartesian positions."
+                f"halo_energy_fn is for ({self.n_atoms}, 3) {kind} positions."
             )
 
     def _displacement(self, positions: Any, neighbor: HaloNeighbors) -> tuple[Any, Any]:
@@ -187,7 +222,7 @@ class HaloNeighborFn:
         return (frac - jump) @ neighbor.basis.astype(r.dtype), jump
 
     def owned_positions(self, positions: Any, neighbor: HaloNeighbors) -> Any:
-        """Global `(N, 3)` positions as the layout's owned storage (padding rows parked), jit-able."""
+        """Global `(N, 3)` Cartesian positions as the layout's owned storage (padding rows parked), jit-able."""
         import jax.numpy as jnp
 
         _, jump = self._displacement(positions, neighbor)
@@ -233,14 +268,15 @@ class HaloEnergyFn:
         fn = self.neighbor_fn
         fn._check(positions, neighbor, where)
         pos = jnp.asarray(positions)
-        pos_owned = fn.owned_positions(pos, neighbor).astype(potential_dtype(fn.potential))
+        pos_owned = fn.owned_positions(fn.cartesian(pos), neighbor).astype(potential_dtype(fn.potential))
         eps = jnp.zeros((3, 3), pos_owned.dtype) if strain is None else strain.astype(pos_owned.dtype)
         energy, _ = fn.potential.energy_fn(neighbor.state, pos_owned, eps)
         return energy.astype(pos.dtype)
 
 
 def halo_energy_fn(potential: Any, numbers: Any, cell: Any, pbc: Any = True, *,
-                   per_atom: Mapping[str, Any] | None = None) -> tuple[HaloNeighborFn, HaloEnergyFn]:
+                   per_atom: Mapping[str, Any] | None = None, fractional_coordinates: bool = False
+                   ) -> tuple[HaloNeighborFn, HaloEnergyFn]:
     """jax-md-style `(neighbor_fn, energy_fn)` for a distributed potential on one structure.
 
     Args:
@@ -249,6 +285,9 @@ def halo_energy_fn(potential: Any, numbers: Any, cell: Any, pbc: Any = True, *,
         cell: `(3, 3)` lattice vectors as rows (Å); jax-md's `periodic_general` box is `cell.T`.
         pbc: periodic flag per lattice axis (or one bool).
         per_atom: per-atom inputs the potential's recipe names (e.g. `{"charges": q}`).
+        fractional_coordinates: positions are fractional, `R_frac @ cell` Cartesian, as with
+            `jax_md.space.periodic_general(cell.T)` (its default); gradients are then real-space,
+            as jax-md's are. Needs a cell with volume.
 
     Returns:
         `neighbor_fn` (`allocate(R, previous=None)`, `update(R, nbrs)`) and `energy_fn(R, neighbor=)`
@@ -262,7 +301,13 @@ def halo_energy_fn(potential: Any, numbers: Any, cell: Any, pbc: Any = True, *,
     """
     dummy = np.zeros((len(np.asarray(numbers).reshape(-1)), 3))
     _, numbers, cell, periodic = structure(dummy, numbers, cell, pbc, "halo_energy_fn")
+    if fractional_coordinates and not abs(np.linalg.det(cell)) > 0:
+        raise ValueError(
+            f"halo_energy_fn: fractional_coordinates=True needs a cell with volume (R_frac @ cell), but det(cell) = "
+            f"{np.linalg.det(cell):.3g}; give every lattice row a length (a vacuum row on an open axis), or pass "
+            "Cartesian positions."
+        )
     skin = float(getattr(potential, "skin", 0.0))
     values = {k: np.asarray(v) for k, v in (per_atom or {}).items()}
-    fn = HaloNeighborFn(potential, numbers, cell, periodic, values, skin)
+    fn = HaloNeighborFn(potential, numbers, cell, periodic, values, skin, bool(fractional_coordinates))
     return fn, HaloEnergyFn(fn)

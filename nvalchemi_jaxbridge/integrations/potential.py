@@ -291,14 +291,11 @@ class KernelPotential:
         Returns:
             `(energy, None)`: a kernel has no per-atom energies.
         """
-        import jax
-
         cs = state.cs
         eps = (strain + strain.T) / 2
         t = cs.tables
         off = t.halo_offset + t.halo_offset @ eps.astype(t.halo_offset.dtype)
-        strained = dataclasses.replace(t, halo_offset=off)
-        cs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(cs), jax.tree_util.tree_leaves(strained))
+        cs = cs.with_tables(dataclasses.replace(t, halo_offset=off))
         x = pos_owned + pos_owned @ eps.astype(pos_owned.dtype)
         per_atom = iter(state.per_atom)
         call = []

@@ -187,6 +187,23 @@ class CompiledSpec:
             )
         return dataclasses.replace(self, plan=plan, tables=device_tables(plan, self.mesh))
 
+    def with_tables(self, tables: Tables) -> CompiledSpec:
+        """The same spec and plan with other table arrays of the same layout (e.g. strained `halo_offset`).
+
+        Works inside a traced function (the arrays may be tracers); the programs are
+        reused, since they depend only on the tables' static part (`tables.static_key`),
+        which must match this spec's. Use `dataclasses.replace(cs.tables, field=...)` to
+        make them.
+        """
+        if type(tables) is not type(self.tables) or tables.static_key != self.tables.static_key:
+            got = tables.static_key if hasattr(tables, "static_key") else type(tables).__name__
+            raise ValueError(
+                f"CompiledSpec.with_tables: the new tables must keep the layout {self.tables.static_key} "
+                f"(capacities and offsets), got {got}; change only the arrays "
+                "(dataclasses.replace(cs.tables, ...)), or use with_plan for another plan."
+            )
+        return dataclasses.replace(self, tables=tables)
+
     def rebuild(self, positions: Any, *, on_overflow: str = "replan") -> CompiledSpec:
         """`with_plan(plan.rebuild(positions, on_overflow=...))`: re-plan after atoms moved (halo plans).
 

@@ -112,9 +112,14 @@ def halo_depth(wrapper: MessagePassingWrapper, exchange: str) -> float:
 
 
 def build_layout(wrapper: MessagePassingWrapper, exchange: str, positions: Any, numbers: Any, cell: Any, pbc: Any,
-                 *, n_devices: int, skin: float, headroom: float) -> tuple[HaloPlan, EdgePlan, np.ndarray, np.ndarray,
-                                                                          tuple[bool, bool, bool]]:
-    """The halo plan (one cutoff, or n_layers cutoffs for the deep halo, plus skin) and its block edges."""
+                 *, n_devices: int, skin: float, headroom: float, keep: tuple[HaloPlan, EdgePlan] | None = None
+                 ) -> tuple[HaloPlan, EdgePlan, np.ndarray, np.ndarray, tuple[bool, bool, bool]]:
+    """The halo plan (one cutoff, or n_layers cutoffs for the deep halo, plus skin) and its block edges.
+
+    `keep`: a `(plan, edges)` pair of the same atoms and periodicity whose grid, capacities
+    and message offsets to keep (grown where they no longer fit, as `HaloPlan.rebuild` does),
+    so that programs compiled for it run on the new layout (e.g. after the cell changed).
+    """
     pos = np.asarray(positions, dtype=np.float64)
     numbers = np.asarray(numbers).reshape(-1)
     if pos.ndim != 2 or pos.shape[1] != 3 or len(numbers) != len(pos):
@@ -124,10 +129,15 @@ def build_layout(wrapper: MessagePassingWrapper, exchange: str, positions: Any, 
         )
     periodic = tuple(bool(p) for p in np.broadcast_to(np.asarray(pbc, dtype=bool), (3,)))
     cell = np.asarray(cell, dtype=np.float64).reshape(3, 3)
+    kw: dict[str, Any] = {}
+    if keep is not None:
+        p = keep[0]
+        kw = dict(grid=p.grid, owned_capacity=p.owned_capacity, ghost_capacity=p.ghost_capacity,
+                  pair_capacities=dict(zip(p.offsets, p.pair_capacities)))
     plan = HaloPlan.build(pos, cell, periodic=periodic, cutoff=halo_depth(wrapper, exchange), skin=skin,
-                          n_devices=n_devices, headroom=headroom)
+                          n_devices=n_devices, headroom=headroom, **kw)
     edges = EdgePlan.build(plan, pos, cutoff=wrapper.cutoff, receivers="owned" if exchange == "per_layer" else "all",
-                           headroom=headroom)
+                           headroom=headroom, edge_capacity=None if keep is None else keep[1].edge_capacity)
     return plan, edges, numbers, cell, periodic
 
 
@@ -184,12 +194,37 @@ class DistributedMLIP:
         """Halo width without skin: one cutoff (per-layer) or n_layers cutoffs (deep halo)."""
         return halo_depth(self.wrapper, self.exchange)
 
-    def prepare(self, positions: Any, numbers: Any, cell: Any, pbc: Any = True) -> ModelState:
-        """The layout for one geometry: halo plan, block edges, device tables, node attributes."""
+    def prepare(self, positions: Any, numbers: Any, cell: Any, pbc: Any = True, *,
+                previous: ModelState | None = None) -> ModelState:
+        """The layout for one geometry: halo plan, block edges, device tables, node attributes.
+
+        Args:
+            positions, numbers, cell, pbc: the structure (Å; cell rows are lattice vectors).
+            previous: a state of this model for the same atoms (count, atomic numbers and
+                periodicity), e.g. before the cell changed: its grid, capacities and compiled
+                spec are kept (capacities grown where they no longer fit), so the jitted
+                programs are reused rather than traced again. A state of other atoms, or
+                of a model with another halo, skin or policy, is ignored (a fresh layout).
+
+        Raises:
+            TypeError: `previous` is not a `ModelState`.
+        """
+        if previous is not None and not isinstance(previous, ModelState):
+            raise TypeError(
+                f"DistributedMLIP.prepare: previous must be a ModelState (from prepare / update / rebuild of "
+                f"this model), got {type(previous).__name__}; pass the state itself, or leave previous out."
+            )
+        z = np.asarray(numbers).reshape(-1)
+        periodic = tuple(bool(p) for p in np.broadcast_to(np.asarray(pbc, dtype=bool), (3,)))
+        same = (previous is not None and previous.plan.n_atoms == len(z) and np.array_equal(previous.numbers, z)
+                and previous.periodic == periodic and previous.cs.mesh == self.mesh
+                and previous.plan.cutoff == self.halo_depth and previous.plan.skin == self.skin
+                and previous.cs.spec.policy == self.settings.policy)
         plan, edges, numbers, cell, periodic = build_layout(
             self.wrapper, self.exchange, positions, numbers, cell, pbc, n_devices=int(self.mesh.devices.size),
-            skin=self.skin, headroom=self.headroom)
-        return self._state(plan, edges, self.wrapper.node_attrs(numbers), numbers, cell, periodic)
+            skin=self.skin, headroom=self.headroom, keep=(previous.plan, previous.edges) if same else None)
+        return self._state(plan, edges, self.wrapper.node_attrs(numbers), numbers, cell, periodic,
+                           cs=previous.cs if same else None)
 
     def _state(self, plan: HaloPlan, edges: EdgePlan, attrs: np.ndarray, numbers: np.ndarray, cell: np.ndarray,
                periodic: tuple[bool, bool, bool], cs: Any = None) -> ModelState:

@@ -156,3 +156,32 @@ def test_jax_errors_name_argument_and_fix():
         jp.dsf_energy_forces(jnp.zeros((4, 3), jnp.float32), jnp.ones(4, jnp.float64), jnp.ones(4))
     with pytest.raises(ValueError, match="cutoff must be positive"):
         jp.lj_energy_forces(jnp.zeros((4, 3)), jnp.ones(4), cutoff=-1.0)
+
+
+def test_dsf_energy_gradient_through_compile_on_4_devices():
+    """jax.grad of the DSF energy inside compile's shard_map(check_vma=True) (which jax 0.12's own erfc
+    JVP cannot do, see jax_potentials._erfc): minus it equals the kernel's forces and the numpy reference."""
+    from nvalchemi_jaxbridge import DistributionSpec, HaloStoragePolicy, OpAdapter
+    from nvalchemi_jaxbridge.demo import rock_salt
+    from nvalchemi_jaxbridge.layout import HaloPlan
+    from nvalchemi_jaxbridge.lower import compile, make_mesh
+
+    s = rock_salt(2, lattice_constant=5.64)
+    pos = s.positions + np.random.default_rng(3).normal(scale=0.1, size=s.positions.shape)
+    cutoff = 6.0
+    dsf = OpAdapter(jp.dsf_energy_forces, gather_inputs=[0, 1], all_reduce_outputs=[0], scatter_outputs=[1])
+    plan = HaloPlan.build(pos, s.cell, cutoff=cutoff, n_devices=4)
+    cs = compile(DistributionSpec(policy=HaloStoragePolicy(), adapters=(dsf,)), make_mesh(4), plan,
+                 positions={dsf: [0]})
+    args = (DSF["alpha"], cutoff, DSF["born_a"], DSF["born_rho"])
+
+    def energy_forces(cs, r, q):
+        return cs.call(dsf, r, q, cs.halo_owned_mask(), *args)
+
+    r, q = cs.owned(pos, positions=True), cs.owned(s.charges)
+    e, f = jax.jit(energy_forces)(cs, r, q)
+    g = jax.jit(jax.grad(lambda cs, r, q: energy_forces(cs, r, q)[0], argnums=1))(cs, r, q)
+    e_ref, f_ref = dsf_reference(pos, s.charges, s.cell, s.periodic, cutoff=cutoff, **DSF)
+    np.testing.assert_allclose(float(e), e_ref, rtol=1e-10)
+    np.testing.assert_allclose(-cs.to_global(g), cs.halo_to_global(f), rtol=0, atol=1e-10)  # f: halo rows, folded
+    np.testing.assert_allclose(-cs.to_global(g), f_ref, rtol=0, atol=1e-9)

@@ -137,6 +137,22 @@ def test_md_loop_matches_single_device_reference_and_compiles_once_per_capacity(
     assert traces == 1 + growths
 
 
+def test_fractional_coordinates_give_the_same_energy_and_a_real_space_gradient():
+    """jax-md's periodic_general convention: R_frac @ cell is Cartesian, d energy / d R_frac is eV/Å."""
+    atoms = _triclinic()
+    pot = lj_potential()
+    cart_fn, cart_energy = halo_energy_fn(pot, atoms.numbers, atoms.cell.array, atoms.pbc)
+    frac_fn, frac_energy = halo_energy_fn(pot, atoms.numbers, atoms.cell.array, atoms.pbc, fractional_coordinates=True)
+    r, s = jnp.asarray(atoms.positions), jnp.asarray(atoms.get_scaled_positions(wrap=False))
+    e, g = jax.value_and_grad(cart_energy)(r, neighbor=cart_fn.allocate(r))
+    nbrs = frac_fn.allocate(s)
+    e_frac, g_frac = jax.value_and_grad(frac_energy)(s, neighbor=nbrs)
+    assert abs(float(e_frac) - float(e)) <= 1e-12 * abs(float(e))
+    np.testing.assert_allclose(np.asarray(g_frac), np.asarray(g), rtol=0, atol=1e-12)
+    step = jnp.zeros_like(s).at[3, 0].set(0.6 * pot.skin / np.linalg.norm(atoms.cell.array[0]))
+    assert bool(nbrs.update(s + step).did_buffer_overflow) and not bool(nbrs.update(s).did_buffer_overflow)
+
+
 def test_errors_name_the_fix():
     atoms = _triclinic()
     neighbor_fn, energy_fn = halo_energy_fn(lj_potential(), atoms.numbers, atoms.cell.array)
@@ -146,3 +162,6 @@ def test_errors_name_the_fix():
         energy_fn(jnp.asarray(atoms.positions))
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['box'\]"):
         energy_fn(jnp.asarray(atoms.positions), neighbor=None, box=1.0)
+    with pytest.raises(ValueError, match=r"fractional_coordinates=True needs a cell with volume"):
+        halo_energy_fn(lj_potential(), atoms.numbers, np.diag([20.0, 20.0, 0.0]), (True, True, False),
+                       fractional_coordinates=True)

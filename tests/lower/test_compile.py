@@ -264,6 +264,19 @@ def test_compiled_spec_is_a_pytree_so_outer_jit_reuses_programs(mesh2):
     assert len(traces) == n
 
 
+def test_with_tables_swaps_arrays_inside_jit_and_refuses_another_layout(mesh2):
+    import dataclasses
+
+    pos = OpAdapter(lambda r: r, gather_inputs=[0])
+    cs = compile(make_spec(HaloStoragePolicy(), pos), mesh2, golden_halo_plan(), positions={pos: [0]})
+    x = sharded(mesh2, np.ones((6, 3)))
+    shifted = jax.jit(lambda cs, x: cs.with_tables(dataclasses.replace(
+        cs.tables, halo_offset=cs.tables.halo_offset + 5.0)).call(pos, x))(cs, x)
+    np.testing.assert_array_equal(np.asarray(shifted), np.asarray(cs.call(pos, x)) + 5.0)
+    with pytest.raises(ValueError, match=r"with_tables: the new tables must keep the layout"):
+        cs.with_tables(dataclasses.replace(cs.tables, ghost_capacity=cs.tables.ghost_capacity + 1))
+
+
 def test_make_mesh_errors():
     with pytest.raises(ValueError, match=r"asked for 9 devices but only 8 are available.*jax_num_cpu_devices"):
         make_mesh(9)

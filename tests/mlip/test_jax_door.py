@@ -104,3 +104,26 @@ def test_a_device_with_no_atoms_works():
     out, state = run("mpnn", "half", 8, "per_layer")
     assert min(r["owned"] for r in state.rows_per_device()) == 0
     check(out, expected("mpnn", "half"))
+
+
+def test_prepare_with_previous_keeps_the_program_on_a_strained_cell():
+    """A cell filter's step: the strained structure laid out with previous=state equals a fresh layout
+    (MPNN), keeps the capacities and the compiled spec, and runs the program already compiled."""
+    atoms = cases.structure("triclinic")
+    dm = model("mpnn", 4, "per_layer")
+    state = dm.prepare(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
+    dm.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc, state=state)
+    compiled = dm._value_and_grad._cache_size()
+    strain = np.eye(3) + np.array([[0.006, 0.002, 0.0], [0.002, -0.004, 0.001], [0.0, 0.001, 0.003]])
+    pos, cell = atoms.positions @ strain, atoms.cell.array @ strain
+    kept = dm.prepare(pos, atoms.numbers, cell, atoms.pbc, previous=state)
+    got = dm.evaluate(pos, atoms.numbers, cell, atoms.pbc, state=kept)
+    assert dm._value_and_grad._cache_size() == compiled, "a new cell with previous= must not retrace"
+    assert kept.plan.grown == () and kept.edges.edge_capacity == state.edges.edge_capacity
+    assert kept.cs.tables.static_key == state.cs.tables.static_key and np.array_equal(kept.cell, cell)
+    fresh = dm.evaluate(pos, atoms.numbers, cell, atoms.pbc, state=dm.prepare(pos, atoms.numbers, cell, atoms.pbc))
+    assert abs(got["energy"] - fresh["energy"]) <= 1e-12 * abs(fresh["energy"])
+    for key in ("forces", "stress", "atomic_energies"):
+        np.testing.assert_allclose(got[key], fresh[key], rtol=0, atol=1e-12)
+    with pytest.raises(TypeError, match=r"previous must be a ModelState"):
+        dm.prepare(pos, atoms.numbers, cell, atoms.pbc, previous=kept.plan)
