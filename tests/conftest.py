@@ -24,3 +24,13 @@ RTOL = {"float32": 1e-5, "float64": 1e-10}
 @pytest.fixture
 def keys():
     return iter(jax.random.split(jax.random.key(0), 64))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files holding slow or multi-process tests run first, so parallel workers start the long ones early.
+
+    A stable sort on a per-file key: each file's tests stay together and in order.
+    """
+    heavy = {item.path for item in items
+             if item.get_closest_marker("slow") or item.get_closest_marker("multiprocess")}
+    items.sort(key=lambda item: item.path not in heavy)
