@@ -16,6 +16,12 @@ def _spec_check(args: argparse.Namespace) -> int:
     from ..spec import check_spec_file
 
     problems = check_spec_file(args.file)
+    if args.json:
+        import json
+
+        print(json.dumps({"file": args.file, "ok": not problems,
+                          "problems": [{"path": p.path, "message": p.message} for p in problems]}, indent=1))
+        return 1 if problems else 0
     for p in problems:
         print(f"{args.file}: {p}")
     if problems:
@@ -132,7 +138,12 @@ def _validate(args: argparse.Namespace) -> int:
 
     result = validate(args.spec, args.op, devices=args.devices, structure=args.structure, cells=args.cells,
                       cutoff=args.cutoff, skin=args.skin, rtol=args.rtol)
-    print(result.format())
+    if args.json:
+        import json
+
+        print(json.dumps(result.to_dict(), indent=1))
+    else:
+        print(result.format())
     return 0 if result.ok else 1
 
 
@@ -161,6 +172,8 @@ def _build_parser() -> argparse.ArgumentParser:
     spec_cmds = spec.add_subparsers(dest="command", required=True, metavar="COMMAND")
     check = spec_cmds.add_parser("check", help="report every problem of a spec file (exit 1 if any)")
     check.add_argument("file", help="spec file (JSON)")
+    check.add_argument("--json", action="store_true",
+                       help="print {file, ok, problems: [{path, message}]} as JSON instead of lines (default: lines)")
     convert = spec_cmds.add_parser("convert", help="rewrite a spec file as bare or v2")
     convert.add_argument("input", help="spec file to read")
     convert.add_argument("output", help="spec file to write")
@@ -178,14 +191,14 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="cubic cells per axis of the sample system (default 3 argon, 2 rock salt)")
     show.add_argument("--structure", default=None, help="read the sample system from this file, ASE (default: generated)")
     show.add_argument("--op", default=None,
-                      help="module:attr implementing (or registering) the spec's op (default: the spec's op name)")
+                      help="module:attr or file.py:attr implementing (or registering) the spec's op (default: the spec's op name)")
 
     _add_run_parser(groups)
 
     val = groups.add_parser("validate", help="single-device vs distributed parity of an op under a spec")
     val.add_argument("spec", help="spec file (JSON)")
     val.add_argument("--op", required=True,
-                     help="module:attr: a torch op, a JAX callable, or an attribute of a module that registers the op "
+                     help="module:attr or file.py:attr: a torch op, a JAX callable, or an attribute of a module that registers the op "
                           "(required)")
     val.add_argument("--devices", type=int, default=None, help="devices (default 8 CPU devices, or all GPUs)")
     val.add_argument("--structure", default=None, help="sample system from this file (default: generated)")
@@ -193,6 +206,7 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="cubic cells per axis of the generated sample (default 3 argon, 2 rock salt)")
     val.add_argument("--cutoff", type=float, default=None, help="interaction cutoff, Å (default: the op's 'cutoff')")
     val.add_argument("--skin", type=float, default=0.0, help="extra ghost width beyond the cutoff, Å (default 0)")
+    val.add_argument("--json", action="store_true", help="print the report as JSON (default: text)")
     val.add_argument("--rtol", type=float, default=1e-8,
                      help="tolerance on max|diff| / max|single-device| (default 1e-8)")
     return parser

@@ -20,19 +20,21 @@ _MASKS = ("owned_mask", "mask")
 
 
 def load_op(ref: str) -> Any:
-    """The object named by `module:attr` (importing the module registers its torch ops).
+    """The object named by `module:attr` or `path/to/file.py:attr` (importing it registers its torch ops).
 
     Raises:
-        ValueError: not of the form `module:attr`, or the attribute does not exist.
-        ImportError: the module cannot be imported.
+        ValueError: not of the form `module:attr` / `file.py:attr`, the file does not exist, or the
+            attribute does not exist.
+        ImportError: the module (or file) cannot be imported.
     """
-    if not isinstance(ref, str) or ref.count(":") != 1 or not all(ref.split(":")):
+    if not isinstance(ref, str) or ":" not in ref or not all(ref.rsplit(":", 1)):
         raise ValueError(
-            f"--op must be module:attr (e.g. nvalchemi_jaxbridge.demo.torch_ops:lj_energy_forces), got {ref!r}."
+            f"--op must be module:attr or path/to/file.py:attr (e.g. nvalchemi_jaxbridge.demo.torch_ops:"
+            f"lj_energy_forces or ./my_ops.py:pair_energy), got {ref!r}."
         )
-    mod_name, attr = ref.split(":")
+    mod_name, attr = ref.rsplit(":", 1)
     try:
-        obj: Any = importlib.import_module(mod_name)
+        obj: Any = _import_file(mod_name, ref) if mod_name.endswith(".py") else importlib.import_module(mod_name)
     except ImportError as e:
         raise ImportError(f"--op {ref}: cannot import module {mod_name!r}: {e}") from e
     for part in attr.split("."):
@@ -41,6 +43,29 @@ def load_op(ref: str) -> Any:
             raise ValueError(f"--op {ref}: {getattr(obj, '__name__', obj)!r} has no attribute {part!r}; it has {public}.")
         obj = getattr(obj, part)
     return obj
+
+
+def _import_file(path: str, ref: str) -> Any:
+    """A Python file imported as a module named after its stem (kept in sys.modules, so its ops stay registered)."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    file = pathlib.Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise ValueError(f"--op {ref}: no file {str(file)!r}; give an existing .py file or an importable module:attr.")
+    name = f"_jaxbridge_op_{file.stem}"
+    if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(file):
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # a syntax error or a failing import inside the user's file
+        del sys.modules[name]
+        raise ImportError(f"running {str(file)!r} raised {type(e).__name__}: {e}") from e
+    return module
 
 
 def _torch_overload(obj: Any) -> Any | None:

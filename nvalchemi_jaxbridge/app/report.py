@@ -168,6 +168,16 @@ def format_collectives(items: list[Collective]) -> list[str]:
     return lines
 
 
+def describe_capacity(name: str) -> str:
+    """A plan capacity's name in words: 'ghost_capacity' -> 'ghost rows per device', 'pair_capacities[2]' -> ..."""
+    words = {"owned_capacity": "owned rows per device", "ghost_capacity": "ghost rows per device"}
+    if name in words:
+        return words[name]
+    if name.startswith("pair_capacities[") and name.endswith("]"):
+        return f"rows per halo message to the device {name[16:-1]} ranks on"
+    return name
+
+
 def format_run(report: Any) -> str:
     """The human report of `simulate.run`."""
     r = report
@@ -181,14 +191,16 @@ def format_run(report: Any) -> str:
         f"  spec         {r.spec}  (op {r.op}, kernel {r.kernel}"
         + (f", {r.call_path} call path" if r.call_path != "-" else "") + ")",
         f"  devices      {r.n_devices} x {r.platform}, domain grid {r.grid}, {r.dtype}",
-        f"  dynamics     {r.steps} steps of {r.dt:g} fs, {r.thermostat}",
+        f"  dynamics     {r.steps} steps of {r.dt_fs:g} fs, {r.thermostat}",
         f"  time         {1e3 * r.time_per_step_s:.2f} ms/step (first step with compile: {r.compile_s:.1f} s; "
         f"wall {r.wall_s:.1f} s)",
-        f"  energy       E0 = {r.energy_per_atom[0]:.6f} eV/atom; drift max|E(t)-E(0)|/N = "
-        f"{r.drift_max_per_atom:.3e} eV/atom, fit slope {r.drift_slope_per_atom_ps:.3e} eV/atom/ps",
+        f"  energy       E0 = {r.energy_per_atom_eV[0]:.6f} eV/atom; "
+        + ("drift" if r.thermostat.startswith("NVE") else "change (a thermostat exchanges energy: not a drift)")
+        + f" max|E(t)-E(0)|/N = {r.energy_change_max_eV_per_atom:.3e} eV/atom, fit slope "
+        f"{r.energy_slope_eV_per_atom_ps:.3e} eV/atom/ps",
         f"  parity       step 1 vs {r.parity_reference}; tolerance {r.rtol:g} (relative to the reference's "
         "largest value):",
-        f"               forces max abs {r.parity_force_max_abs:.3e} eV/Å, max rel {r.parity_force_max_rel:.3e}; "
+        f"               forces max abs {r.parity_force_max_abs_eV_per_A:.3e} eV/Å, max rel {r.parity_force_max_rel:.3e}; "
         f"energy rel {r.parity_energy_rel:.3e}  {'ok' if r.ok else 'FAIL'}",
         f"  halo         {r.halo_ghost_rows} ghost rows; per step {r.halo_rows_per_step} rows / "
         f"{_fmt_bytes(r.halo_bytes_per_step)} between devices ({_fmt_bytes(r.halo_padded_bytes_per_step)} with padding)",
@@ -203,8 +215,8 @@ def format_run(report: Any) -> str:
         f"  rebuilds     {len(r.rebuilds)} (at steps {list(r.rebuilds)[:10]}{' ...' if len(r.rebuilds) > 10 else ''}); "
         f"all atoms accounted for after each"
         + (f"; criterion exceeded before the check at {list(r.late_rebuilds)}" if r.late_rebuilds else "")
-        + (f"; capacities grown: {', '.join(r.grown)}" if r.grown else ""),
-        f"  temperature  final {r.final_temperature:.1f} K",
+        + (f"; capacities grown: {', '.join(describe_capacity(g) for g in r.grown)}" if r.grown else ""),
+        f"  temperature  initial {r.initial_temperature_K:.1f} K, final {r.final_temperature_K:.1f} K",
     ]
     written = [f"{what} {path} ({count} {'frames' if what == 'trajectory' else 'rows'})"
                for what, (path, count) in r.outputs.items()]
@@ -224,7 +236,7 @@ def plot_run(report: Any, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    e = np.asarray(report.energy_per_atom)
+    e = np.asarray(report.energy_per_atom_eV)
     a.plot(np.arange(e.size), e - e[0])
     for s in report.rebuilds:
         a.axvline(s, color="0.85", lw=0.8, zorder=0)

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from .report import describe_capacity
 from .run_config import SYSTEM_DEFAULTS, Potential, RunConfig, configure_jax, make_system, wrap
 
 
@@ -53,16 +54,16 @@ class RunReport:
     dtype: str
     grid: tuple[int, int, int]
     steps: int
-    dt: float
+    dt_fs: float
     thermostat: str
     compile_s: float
     time_per_step_s: float
     wall_s: float
-    energy_per_atom: tuple[float, ...]
-    drift_max_per_atom: float
-    drift_slope_per_atom_ps: float
+    energy_per_atom_eV: tuple[float, ...]
+    energy_change_max_eV_per_atom: float
+    energy_slope_eV_per_atom_ps: float
     parity_energy_rel: float
-    parity_force_max_abs: float
+    parity_force_max_abs_eV_per_A: float
     parity_force_max_rel: float
     parity_reference: str
     halo_ghost_rows: int
@@ -75,7 +76,8 @@ class RunReport:
     rebuilds: tuple[int, ...]
     late_rebuilds: tuple[int, ...]
     grown: tuple[str, ...]
-    final_temperature: float
+    final_temperature_K: float
+    initial_temperature_K: float
     call_path: str = "-"  # how a torch kernel was called: "ffi" or "callback (<why>)"; "-" for a JAX kernel
     structure: str | None = None  # the file read, or None for a generated system
     species: dict[str, int] = dataclasses.field(default_factory=dict)  # atoms per chemical symbol
@@ -101,6 +103,7 @@ class RunReport:
         d = dataclasses.asdict(dataclasses.replace(self, final_positions=None, final_velocities=None))
         del d["final_positions"], d["final_velocities"]
         d["ok"] = self.ok
+        d["grown"] = [describe_capacity(g) for g in self.grown]  # in words, not the plan's field names
         d["load_imbalance"] = self.load_imbalance
         d["owned_min"], d["owned_max"] = min(self.owned_per_device), max(self.owned_per_device)
         return d
@@ -285,12 +288,12 @@ def run(config: RunConfig, *, progress: Callable[..., Any] | None = None) -> Run
     return RunReport(
         system=config.system, potential=pot.name, spec=fop.spec_path, op=fop.name, kernel=fop.kernel,
         n_atoms=n, n_devices=n_dev, platform=devices[0].platform, dtype=dtype_name, grid=tuple(plan.grid),
-        steps=config.steps, dt=dt,
+        steps=config.steps, dt_fs=dt,
         thermostat="NVE (velocity Verlet)" if friction is None else f"Langevin BAOAB, friction {friction:g}/fs, {bath_t:g} K",
         compile_s=float(t_first - t0), time_per_step_s=float(per_step), wall_s=float(time.perf_counter() - t_start),
-        energy_per_atom=tuple(float(v) for v in total / n),
-        drift_max_per_atom=drift, drift_slope_per_atom_ps=slope,
-        parity_energy_rel=parity[0], parity_force_max_abs=parity[1], parity_force_max_rel=parity[2],
+        energy_per_atom_eV=tuple(float(v) for v in total / n),
+        energy_change_max_eV_per_atom=drift, energy_slope_eV_per_atom_ps=slope,
+        parity_energy_rel=parity[0], parity_force_max_abs_eV_per_A=parity[1], parity_force_max_rel=parity[2],
         parity_reference=fop.reference,
         halo_ghost_rows=int(plan.n_ghost.sum()),
         halo_rows_per_step=int(sum(c.rows for c in coll if c.op == "ppermute")),
@@ -299,7 +302,8 @@ def run(config: RunConfig, *, progress: Callable[..., Any] | None = None) -> Run
         collectives=tuple(c.to_dict() for c in coll),
         owned_per_device=tuple(int(v) for v in plan.n_owned), ghosts_per_device=tuple(int(v) for v in plan.n_ghost),
         rebuilds=tuple(rebuilds), late_rebuilds=tuple(late), grown=tuple(dict.fromkeys(grown)),
-        final_temperature=final_t,
+        final_temperature_K=final_t,
+        initial_temperature_K=float(md.temperature(jnp.asarray(sys_.velocities), jnp.asarray(sys_.masses))),
         call_path=_call_path(adapter.op),
         structure=config.structure, species=species_counts(sys_.atomic_numbers),
         params=dict(scalars),

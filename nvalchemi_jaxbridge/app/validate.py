@@ -120,6 +120,12 @@ class ValidationReport:
         """True when the call ran and every output is within tolerance."""
         return self.error is None and all(o.ok for o in self.outputs)
 
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field plus `ok` (`validate --json`)."""
+        d = dataclasses.asdict(self)
+        d["ok"] = self.ok
+        return d
+
     def format(self) -> str:
         """The human report."""
         lines = [

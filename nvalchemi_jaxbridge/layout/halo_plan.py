@@ -28,6 +28,7 @@ import functools
 import logging
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -189,6 +190,26 @@ class HaloPlan:
             pos, cell_arr, basis, periodic, tuple(grid), float(cutoff), float(skin), n_devices, float(headroom),
             part, owned_capacity, ghost_capacity, pair_request, on_overflow,
         ))
+
+    @classmethod
+    def from_ase(cls, atoms: Any, *, cutoff: float, n_devices: int, **kwargs: Any) -> HaloPlan:
+        """`build` from an ASE `Atoms`: its positions, cell (rows are lattice vectors) and `pbc`.
+
+        Keyword arguments (`skin`, `headroom`, `grid`, capacities) go to `build`. ASE itself is not
+        imported: any object with `positions`, `cell` (array-like or ASE `Cell`) and `pbc` works.
+
+        Raises:
+            TypeError: `atoms` lacks `positions`, `cell` or `pbc`.
+        """
+        missing = [name for name in ("positions", "cell", "pbc") if not hasattr(atoms, name)]
+        if missing:
+            raise TypeError(f"HaloPlan.from_ase: expected an ase.Atoms (positions, cell, pbc), got "
+                            f"{type(atoms).__name__} without {missing}; call HaloPlan.build(positions, cell, "
+                            "periodic=...) for plain arrays.")
+        cell = np.asarray(getattr(atoms.cell, "array", atoms.cell), dtype=np.float64)
+        periodic = tuple(bool(v) for v in np.broadcast_to(np.asarray(atoms.pbc, dtype=bool), (3,)))
+        return cls.build(np.asarray(atoms.positions, dtype=np.float64), cell, periodic=periodic, cutoff=cutoff,
+                         n_devices=n_devices, **kwargs)
 
     def rebuild(self, positions: np.ndarray, *, on_overflow: OnOverflow = "replan") -> HaloPlan:
         """A new plan for `positions` with the same cell, cutoff, skin and grid.

@@ -12,6 +12,7 @@ import pytest
 
 from nvalchemi_jaxbridge.app import run_config, simulate
 from nvalchemi_jaxbridge.app.cli import main
+from nvalchemi_jaxbridge.app.report import describe_capacity, format_run
 from nvalchemi_jaxbridge.demo import jax_potentials, md, params, systems
 from nvalchemi_jaxbridge.layout import HaloPlan
 
@@ -38,13 +39,13 @@ def test_energy_drift_matches_single_device_over_1000_steps_and_no_atom_is_lost(
     _, total = jax.jit(md.run_verlet, static_argnums=(0, 3, 4))(force, state, masses, 5.0, 1000)
     single = np.concatenate([[e0], np.asarray(total)]) / 32
 
-    dist = np.asarray(report.energy_per_atom)
+    dist = np.asarray(report.energy_per_atom_eV)
     assert dist.shape == single.shape
     drift_single = np.max(np.abs(single - single[0]))
     drift_dist = np.max(np.abs(dist - dist[0]))
     assert drift_single > 0
     assert drift_dist <= 1.2 * drift_single
-    np.testing.assert_allclose(report.drift_max_per_atom, drift_dist, rtol=1e-12)
+    np.testing.assert_allclose(report.energy_change_max_eV_per_atom, drift_dist, rtol=1e-12)
     np.testing.assert_allclose(dist[:100], single[:100], rtol=1e-9)  # the same trajectory early on
 
 
@@ -62,7 +63,11 @@ def test_langevin_matches_single_device_baoab_with_the_same_noise():
     for i in range(30):
         state = step(force, state, masses, 5.0, jax.random.fold_in(key, i), temperature=80.0, friction=0.01)
         want.append(float(state.energy + md.kinetic_energy(state.velocities, masses)))
-    np.testing.assert_allclose(np.asarray(report.energy_per_atom[1:]), np.asarray(want) / 32, rtol=1e-9)
+    np.testing.assert_allclose(np.asarray(report.energy_per_atom_eV[1:]), np.asarray(want) / 32, rtol=1e-9)
+    text = format_run(report)  # a thermostat exchanges energy: the report does not call the change a drift
+    assert "not a drift" in text and "drift max" not in text
+    t0 = float(md.temperature(jnp.asarray(system.velocities), masses))
+    assert f"initial {t0:.1f} K" in text and abs(report.initial_temperature_K - t0) < 1e-9
 
 
 def test_rebuild_keeps_every_atom_when_atoms_cross_the_cell(monkeypatch):
@@ -94,6 +99,11 @@ def test_cli_run_torch_kernel_report(tmp_path, capsys):
         assert word in out
     r = json.loads(path.read_text())
     assert r["n_atoms"] == 4 * 27 and r["n_devices"] == 8 and r["kernel"] == "torch" and r["steps"] == 3
+    # units in the keys (eV, K, fs, s, bytes), no plan field names in the words
+    for key in ("dt_fs", "energy_per_atom_eV", "energy_change_max_eV_per_atom", "initial_temperature_K",
+                "final_temperature_K", "parity_force_max_abs_eV_per_A", "time_per_step_s", "halo_bytes_per_step"):
+        assert key in r, key
+    assert "drift max" in out and "initial 50.0 K" in out
     # the path the torch op's calls took, as TorchOpKernel reports it for the same call
     from nvalchemi_jaxbridge.kernels import resolve_kernel
     from nvalchemi_jaxbridge.kernels.ffi import target
@@ -161,3 +171,9 @@ def test_energy_drift_definition():
     drift, slope = simulate.energy_drift(e, 4, 1000.0)  # 1 ps per step
     assert drift == 0.75
     np.testing.assert_allclose(slope, abs(np.polyfit([0, 1, 2, 3], e / 4, 1)[0]))
+
+
+def test_grown_capacities_are_named_in_words():
+    assert describe_capacity("ghost_capacity") == "ghost rows per device"
+    assert describe_capacity("pair_capacities[3]") == "rows per halo message to the device 3 ranks on"
+    assert "[" not in describe_capacity("owned_capacity")

@@ -41,7 +41,7 @@ def test_cells_kernel_run_matches_the_dense_torch_kernel(tmp_path, monkeypatch):
     assert cells["rebuilds"] and cells["rebuilds"] == dense["rebuilds"]  # padding rows after a rebuild too
     assert f_cells.shape == (32, 3) and np.max(np.abs(f_dense)) > 1e-3
     np.testing.assert_allclose(f_cells, f_dense, rtol=0, atol=1e-12 * np.max(np.abs(f_dense)))
-    np.testing.assert_allclose(cells["energy_per_atom"], dense["energy_per_atom"], rtol=1e-11)
+    np.testing.assert_allclose(cells["energy_per_atom_eV"], dense["energy_per_atom_eV"], rtol=1e-11)
     assert cells["parity_force_max_rel"] < 1e-10 and cells["parity_energy_rel"] < 1e-10  # vs numpy
 
 

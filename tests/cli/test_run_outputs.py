@@ -57,7 +57,7 @@ def test_trajectory_and_thermo_read_back(tmp_path):
             np.testing.assert_allclose(by_step[s]["e_pot_eV"], frame.get_potential_energy(), rtol=1e-12)
     for s, r in by_step.items():
         assert r["time_fs"] == s * 5.0
-        np.testing.assert_allclose(r["e_tot_eV"], report.energy_per_atom[s] * 32, rtol=1e-12)
+        np.testing.assert_allclose(r["e_tot_eV"], report.energy_per_atom_eV[s] * 32, rtol=1e-12)
         np.testing.assert_allclose(r["e_tot_eV"], r["e_pot_eV"] + r["e_kin_eV"], rtol=1e-14)
         np.testing.assert_allclose(r["temperature_K"], 2 * r["e_kin_eV"] / (93 * KB_EV), rtol=1e-12)
     np.testing.assert_allclose(by_step[0]["temperature_K"], 80.0, rtol=1e-10)  # 3N - 3 degrees of freedom

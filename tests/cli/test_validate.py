@@ -85,7 +85,7 @@ def test_validate_missing_gather_on_charges(tmp_path):
 
 
 @pytest.mark.parametrize("op, match", [
-    ("nvalchemi_jaxbridge.demo.torch_ops", r"--op must be module:attr \(e\.g\."),
+    ("nvalchemi_jaxbridge.demo.torch_ops", r"--op must be module:attr or path/to/file.py:attr \(e\.g\."),
     ("nvalchemi_jaxbridge.demo.torch_ops:nope", r"has no attribute 'nope'"),
     ("no_such_module_xyz:f", r"cannot import module 'no_such_module_xyz'"),
     ("nvalchemi_jaxbridge.demo.torch_ops:dsf_energy_forces",
@@ -97,3 +97,29 @@ def test_validate_op_errors(op, match, capsys):
         V.validate(f"{SPECS}/lj_argon.json", op)
     assert main(["validate", f"{SPECS}/lj_argon.json", "--op", op]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_validate_and_spec_check_print_json(tmp_path, capsys):
+    assert main(["validate", f"{SPECS}/lj_argon.json", "--op", LJ_OP, "--devices", "2", "--cells", "2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["ok"] and r["n_devices"] == 2 and r["outputs"] and all(o["ok"] for o in r["outputs"])
+    assert main(["spec", "check", f"{SPECS}/lj_argon.json", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"file": f"{SPECS}/lj_argon.json", "ok": True, "problems": []}
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"policy": {"kind": "nope"}, "custom_ops": []}))
+    assert main(["spec", "check", str(bad), "--json"]) == 1
+    r = json.loads(capsys.readouterr().out)
+    assert not r["ok"] and r["problems"][0]["path"].startswith("$") and r["problems"][0]["message"]
+
+
+def test_validate_takes_an_op_from_a_python_file(tmp_path, capsys):
+    ops = tmp_path / "my_ops.py"
+    ops.write_text("from nvalchemi_jaxbridge.demo.jax_potentials import lj_energy_forces as lj\n")
+    assert main(["validate", f"{SPECS}/lj_argon.json", "--op", f"{ops}:lj", "--devices", "2", "--cells", "2"]) == 0
+    assert "result: ok" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"no file .*missing\.py.*existing \.py file"):
+        V.load_op(f"{tmp_path}/missing.py:lj")
+    broken = tmp_path / "broken.py"
+    broken.write_text("def oops(:\n")
+    with pytest.raises(ImportError, match=r"broken\.py.*raised SyntaxError"):
+        V.load_op(f"{broken}:oops")

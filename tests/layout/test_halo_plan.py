@@ -406,3 +406,17 @@ def test_layout_helpers_check_shapes_and_plan_is_readonly():
     text = plan.describe(features=3, itemsize=8)
     assert f"grid {plan.grid}" in text and str(plan.n_owned.tolist()) in text
     assert f"{int(plan.n_ghost.sum()) * 24} bytes of ghosts" in text
+
+
+def test_from_ase_reads_positions_cell_and_pbc():
+    from ase.build import fcc111
+
+    slab = fcc111("Cu", size=(4, 4, 3), vacuum=6.0)  # periodic in x, y only
+    plan = HaloPlan.from_ase(slab, cutoff=4.0, n_devices=4, skin=0.5)
+    want = HaloPlan.build(slab.positions, slab.cell.array, periodic=(True, True, False), cutoff=4.0, n_devices=4,
+                          skin=0.5)
+    assert plan.periodic == (True, True, False)
+    np.testing.assert_array_equal(plan.owned_global, want.owned_global)
+    np.testing.assert_array_equal(plan.halo_global, want.halo_global)
+    with pytest.raises(TypeError, match=r"expected an ase.Atoms .*HaloPlan.build"):
+        HaloPlan.from_ase(slab.positions, cutoff=4.0, n_devices=4)
