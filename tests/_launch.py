@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import os
@@ -29,3 +30,33 @@ def run_ranks(worker: pathlib.Path, world: int, out_dir: pathlib.Path, args: Seq
     if code != 0:
         pytest.fail(f"{world}-process run exited with {code}; log:\n{log.getvalue()[-6000:]}")
     return [json.loads((out_dir / result.format(rank=r)).read_text()) for r in range(world)]
+
+
+def shared_run(worker: pathlib.Path, world: int, tmp_path_factory, args: Sequence[str] = (), *,
+               timeout_s: float = 240, env: Mapping[str, str] | None = None) -> pathlib.Path:
+    """The output folder of ONE launch of `worker OUT_DIR *args` on `world` processes, shared by every test
+    module and every pytest-xdist worker of this session (a file lock in the session's shared temp folder:
+    the first caller launches, the others wait and read). A failed launch fails every caller with its log.
+    """
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # .../pytest-N/popen-gwK: pytest-N is this run's, for all workers
+        root = root.parent
+    out = root / f"shared-{worker.stem}-{world}"
+    with open(root / f"shared-{worker.stem}-{world}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "DONE").exists() and not (out / "FAILED").exists():
+            out.mkdir(exist_ok=True)
+            full_env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), **(env or {}))
+            full_env.pop("XLA_FLAGS", None)
+            log = io.StringIO()
+            code = launch([str(worker), str(out), *args], world, timeout_s=timeout_s, env=full_env, out=log)
+            marker = "DONE" if code == 0 else "FAILED"
+            (out / marker).write_text(f"exit {code}\n{log.getvalue()[-6000:]}")
+    if (out / "FAILED").exists():
+        pytest.fail(f"{world}-process run of {worker.name} failed; log:\n{(out / 'FAILED').read_text()}")
+    return out
+
+
+def read_ranks(folder: pathlib.Path, world: int, result: str = "rank{rank}.json") -> list[dict]:
+    """The JSON each rank wrote into `folder`."""
+    return [json.loads((folder / result.format(rank=r)).read_text()) for r in range(world)]

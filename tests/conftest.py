@@ -29,7 +29,8 @@ def keys():
 def pytest_collection_modifyitems(config, items):
     """Files holding slow or multi-process tests run first, so parallel workers start the long ones early.
 
-    A stable sort on a per-file key: each file's tests stay together and in order.
+    A stable sort on a per-file key: each file's tests stay together and in order (`--dist loadfile` sends
+    a whole file, and its module fixtures, to one worker).
     """
     heavy = {item.path for item in items
              if item.get_closest_marker("slow") or item.get_closest_marker("multiprocess")}

@@ -1,11 +1,11 @@
-"""The front door in real multi-process jobs (jax.distributed, gloo, one CPU device per process).
+"""The PyTorch front door in real multi-process jobs (jax.distributed, gloo, one CPU device per process).
 
-One launch per world size (module-scoped fixture) runs tests/torch/worker.py on
-every rank; the tests below compare what the ranks wrote against an
-independent numpy reference (energies, forces) and the semantics reference's
-golden 2-rank vectors. The golden vectors are checked in a real 2-process
-run rather than one process driving two devices, because the front door's
-contract is one local block per process: that is the path users run.
+One launch per world size (tests/torch/all_workers.py) runs the front door's workers on every rank:
+tests/torch/worker.py (a model and the golden vectors), exchange_worker.py (refresh/fold) and, on 2
+ranks, meaning_worker.py (sums over atoms). Importing and starting torch, JAX and gloo cost most of a small
+launch, so the three checks share it; the sections below judge what the ranks wrote against independent
+references. The golden vectors are checked in a real 2-process run rather than one process driving two
+devices, because the front door's contract is one local block per process: that is the path users run.
 """
 
 from __future__ import annotations
@@ -16,18 +16,19 @@ import sys
 import numpy as np
 import pytest
 
-from tests._launch import run_ranks
+from tests._launch import read_ranks, shared_run
 from tests.torch import model
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "torch" / "worker.py"
+WORKER = ROOT / "tests" / "torch" / "all_workers.py"
+BOX, N, SEED, FEAT = 7.0, 40, 3, 2  # exchange_worker.py's
 
 pytestmark = pytest.mark.multiprocess
 
 
 def _run(world: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Launch the worker on `world` processes; the per-rank results (or a failure with the log)."""
-    return run_ranks(WORKER, world, tmp_path_factory.mktemp(f"world{world}"))
+    return read_ranks(shared_run(WORKER, world, tmp_path_factory) / "worker", world)
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +106,125 @@ def test_golden_gather_full_and_slice_outputs_owned(world2):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+# ------------------------------------------------------------------ refresh_halo / fold_halo (exchange_worker.py)
+# `refresh_halo` / `fold_halo` in real 2- and 4-process CPU jobs (jax.distributed, gloo).
+#
+# tests/torch/exchange_worker.py runs on every rank and writes its inputs and
+# results; the references here come from the plan's `halo_global` ids only (every
+# halo row of atom g holds g's value; a fold gives every copy of g the sum over all
+# copies on all ranks), never from the exchange tables. The adjoint identities
+# `<w, R x> = <R^T w, x>` are summed over ranks, as the reference's gloo tests do.
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+def exchange_ranks(request, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    world = request.param
+    return read_ranks(shared_run(WORKER, world, tmp_path_factory) / "exchange_worker", world,
+                      result="rank{rank}_exchange.json")
+
+
+def _plan(world: int):
+    from nvalchemi_jaxbridge.layout import HaloPlan
+
+    return HaloPlan.build(model.system(N, BOX, SEED), np.eye(3) * BOX, cutoff=model.CUTOFF, n_devices=world)
+
+
+def _ids(plan, rank: int) -> np.ndarray:
+    return np.asarray(plan.halo_global)[rank, : int(plan.n_owned[rank] + plan.n_ghost[rank])]
+
+
+def _sum_over_copies(plan, per_rank: list[np.ndarray]) -> np.ndarray:
+    """`S[g]`: the sum of every rank's rows of atom g (owned and ghost copies)."""
+    s = np.zeros((N, FEAT))
+    for r, v in enumerate(per_rank):
+        np.add.at(s, _ids(plan, r), v)
+    return s
+
+
+def test_refresh_halo_puts_owner_values_on_ghosts_and_its_adjoint_sums_into_owners(exchange_ranks):
+    world = len(exchange_ranks)
+    plan = _plan(world)
+    assert any(int(n) > 0 for n in plan.n_ghost)
+    x_global = np.random.default_rng(SEED).normal(size=(N, FEAT))
+    s_w = _sum_over_copies(plan, [np.array(r["w"]) for r in exchange_ranks])
+    for rank, r in enumerate(exchange_ranks):
+        n_own = int(plan.n_owned[rank])
+        np.testing.assert_allclose(r["refresh"]["out"], x_global[_ids(plan, rank)], rtol=0, atol=0)
+        want = np.zeros((len(_ids(plan, rank)), FEAT))
+        want[:n_own] = s_w[np.asarray(plan.owned_global)[rank, :n_own]]
+        np.testing.assert_allclose(r["refresh"]["grad"], want, rtol=1e-12, atol=1e-12, err_msg=f"rank {rank}")
+    lhs, rhs = (sum(r["refresh"][k] for r in exchange_ranks) for k in ("dot_w_Rx", "dot_RTw_x"))
+    np.testing.assert_allclose(lhs, rhs, rtol=1e-10)
+
+
+def test_fold_halo_gives_every_copy_the_total_and_is_self_adjoint(exchange_ranks):
+    plan = _plan(len(exchange_ranks))
+    s_y = _sum_over_copies(plan, [np.array(r["y"]) for r in exchange_ranks])
+    s_w = _sum_over_copies(plan, [np.array(r["w"]) for r in exchange_ranks])
+    for rank, r in enumerate(exchange_ranks):
+        ids = _ids(plan, rank)
+        np.testing.assert_allclose(r["fold"]["out"], s_y[ids], rtol=1e-12, atol=1e-12, err_msg=f"rank {rank}")
+        np.testing.assert_allclose(r["fold"]["grad"], s_w[ids], rtol=1e-12, atol=1e-12, err_msg=f"rank {rank}")
+    lhs, rhs = (sum(r["fold"][k] for r in exchange_ranks) for k in ("dot_w_Fy", "dot_FTw_y"))
+    np.testing.assert_allclose(lhs, rhs, rtol=1e-10)
+
+
+def test_switched_off_exchanges_are_the_identity(exchange_ranks):
+    for r in exchange_ranks:
+        assert r["identity"] == {"refresh_only_fold": True, "local_gather_refresh": True,
+                                 "local_scatter_fold": True, "refresh_only_refresh_equal": True}
+
+
+def test_graph_parallel_refresh_gathers_all_rows_and_reduce_scatters_back(exchange_ranks):
+    world = len(exchange_ranks)
+    x_global = np.random.default_rng(SEED).normal(size=(N, FEAT))
+    w_sum = sum(np.array(r["graph_parallel"]["w"]) for r in exchange_ranks)
+    for rank, r in enumerate(exchange_ranks):
+        gp = r["graph_parallel"]
+        np.testing.assert_allclose(gp["out"], np.concatenate([x_global, [[-1.0 - rank] * FEAT]]), rtol=0, atol=0)
+        ids = np.array(gp["owned_ids"])
+        want = np.concatenate([w_sum[ids], [np.array(gp["w"])[N]]])       # owned rows: summed over exchange_ranks
+        np.testing.assert_allclose(gp["grad"], want, rtol=1e-12, atol=1e-12, err_msg=f"rank {rank}")
+    assert sorted(i for r in exchange_ranks for i in r["graph_parallel"]["owned_ids"]) == list(range(N)) and world > 1
+
+# ------------------------------------------------------------------ sums over atoms (meaning_worker.py, 2 ranks)
+# Sums over atoms of halo ShardTensors in a real 2-process job: owned rows once, identity adjoint.
+#
+# tests/torch/meaning_worker.py runs on both ranks (inside the shared all_workers.py launch); every rank's result is
+# compared with numpy sums of the global values (ghost rows not counted again),
+# and every rank's gradient with exactly one on owned rows (not the world size).
+
+
+@pytest.fixture(scope="module")
+def meaning_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return read_ranks(shared_run(WORKER, 2, tmp_path_factory) / "meaning_worker", 2)
+
+
+def _values() -> np.ndarray:
+    return np.random.default_rng(3).normal(size=(40, 2))  # meaning_worker.values()
+
+
+def test_ranks_have_ghosts(meaning_ranks):
+    assert sum(r["n_owned"] for r in meaning_ranks) == 40 and all(r["n_ghost"] > 0 for r in meaning_ranks)
+
+
+@pytest.mark.parametrize("name", ["sum", "sum0", "index_add_", "scatter_add", "system_sum"])
+def test_sums_over_atoms_equal_numpy_on_every_rank_with_unit_gradient(meaning_ranks, name):
+    v = _values()
+    per_system = np.zeros((3, 2))
+    np.add.at(per_system, np.arange(40) % 3, v)
+    want = {"sum": v.sum(), "sum0": v.sum(0)}.get(name, per_system)
+    for r in meaning_ranks:
+        got = r[name]
+        assert got["layout"] == "replicated"
+        np.testing.assert_allclose(got["value"], want, rtol=1e-12, err_msg=f"rank {r['rank']}")
+        grad = np.array(got["grad"])
+        np.testing.assert_array_equal(grad[: r["n_owned"]], 1.0)  # not 2 = W: identity adjoint
+        np.testing.assert_array_equal(grad[r["n_owned"]:], 0.0)
+
+
+def test_naive_model_raises_on_every_rank_naming_the_op(meaning_ranks):
+    for r in meaning_ranks:
+        assert r["naive"].startswith(f"torch.Tensor.__getitem__ on a ShardTensor with layout 'halo' (rank {r['rank']})")
+        assert "nvalchemi_jaxbridge.mlip" in r["naive"] and ".to_local()" in r["naive"]
