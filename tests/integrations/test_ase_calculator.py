@@ -19,6 +19,7 @@ from ase.calculators.calculator import PropertyNotImplementedError  # noqa: E402
 from nvalchemi_jaxbridge.demo.reference import lj_reference  # noqa: E402
 from nvalchemi_jaxbridge.integrations import JaxBridgeCalculator  # noqa: E402
 from tests.integrations._common import EPSILON, RC, SIGMA, argon, ase_lj, lj_potential  # noqa: E402
+from tests.mlip._reference import finite_difference_stress  # noqa: E402
 
 
 def _pair(atoms, potential=None):
@@ -79,24 +80,6 @@ def _min_gap_to_cutoff(atoms, cutoff):
     return float(np.min(np.abs(d - cutoff)))
 
 
-def _fd_stress(atoms, energy, h):
-    """Central difference of E under symmetric strain (positions and cell together) over V: ASE's sign."""
-    base = atoms.cell.array.copy()
-    out = np.zeros((3, 3))
-    for a in range(3):
-        for b in range(3):
-            vals = []
-            for sign in (1, -1):
-                eps = np.zeros((3, 3))
-                eps[a, b] += sign * h / 2
-                eps[b, a] += sign * h / 2
-                strained = atoms.copy()
-                strained.set_cell(base @ (np.eye(3) + eps), scale_atoms=True)
-                vals.append(energy(strained))
-            out[a, b] = (vals[0] - vals[1]) / (2 * h)
-    return out / abs(np.linalg.det(base))
-
-
 def test_lj_stress_on_triclinic_cell_matches_finite_difference():
     """get_stress (strained positions and image shifts, autodiff) vs a central difference of energies of
     re-laid-out strained cells, 1e-5 relative; and vs ASE's analytic LJ stress.
@@ -117,7 +100,7 @@ def test_lj_stress_on_triclinic_cell_matches_finite_difference():
         a.calc = calc
         return a.get_potential_energy()
 
-    want = _fd_stress(atoms, energy, h)
+    want = finite_difference_stress(energy, atoms, h)
     scale = np.abs(got).max()
     assert np.abs(got - want).max() <= 1e-5 * scale, (got, want)
     theirs = atoms.copy()
@@ -131,7 +114,7 @@ def test_mpnn_stress_energies_through_distributed_mlip():
     one-device reference energy (1e-5 relative), energy, forces and per-atom energies vs that reference."""
     from nvalchemi_jaxbridge.mlip import DistributedMLIP
     from tests.mlip import cases
-    from tests.mlip._reference import finite_difference_stress, reference
+    from tests.mlip._reference import reference
 
     w = cases.wrapper("mpnn")
     atoms = cases.structure("small").copy()
