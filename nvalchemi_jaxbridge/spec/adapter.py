@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .errors import SpecError, SpecTypeError, jpath, type_name, unknown
+from .errors import SpecError, SpecTypeError, jpath, json_type, short, type_name, unknown
 from .frozen import FrozenDict, _KeyedEquality
 from .op_ref import normalize_op, op_key, op_qualname, op_target, resolve_op
 from .status import AdapterState, AdapterStatus, capture_install_site
@@ -43,19 +43,44 @@ _OUTPUT_ROLES = (
 )
 _POSITION_KEY = re.compile(r"0|[1-9][0-9]*")
 _DICT_KEYS = ("op", "arg_transforms", "output_transforms")
+#: Positions index op(*args) or its outputs; anything larger is a mistake (and would size arrays).
+MAX_POSITION = 2**31 - 1
+
+
+def position_from_key(key: object, where: str) -> int:
+    """A JSON position key ("0", "1", ...) as an int; SpecError (at `where`) for anything else."""
+    if not isinstance(key, str) or not _POSITION_KEY.fullmatch(key):
+        raise SpecError(
+            f"position key {short(key)} is not a decimal position; write \"0\", \"1\", ... "
+            "(no sign, no leading zeros).",
+            path=where,
+        )
+    if len(key) > len(str(MAX_POSITION)) or int(key) > MAX_POSITION:  # length first: int() of 5000 digits is slow
+        raise SpecError(
+            f"position key {short(key)} ({len(key)} digits) is too large; positions index op(*args) or its "
+            f"outputs and are at most 2**31 - 1 = {MAX_POSITION}. Count from \"0\".",
+            path=where,
+        )
+    return int(key)
 
 
 def _check_position(pos: object, where: str, what: str) -> int:
     if isinstance(pos, bool) or not isinstance(pos, int):
         raise SpecTypeError(
-            f"{what} position {pos!r} is {type_name(pos)}; positions are ints counted from 0 "
+            f"{what} position {short(pos)} is {type_name(pos)}; positions are ints counted from 0 "
             "as in op(*args), e.g. {0: GatherInputs()}.",
             path=where,
         )
     if pos < 0:
         raise SpecError(
-            f"{what} position {pos} is negative; count from 0 as in op(*args) "
+            f"{what} position {short(pos)} is negative; count from 0 as in op(*args) "
             "(keyword arguments cannot be addressed by position).",
+            path=where,
+        )
+    if pos > MAX_POSITION:
+        raise SpecError(
+            f"{what} position {short(pos)} is too large; positions index op(*args) or its outputs and are "
+            f"at most 2**31 - 1 = {MAX_POSITION}. Count from 0.",
             path=where,
         )
     return pos
@@ -342,7 +367,7 @@ class OpAdapter(_KeyedEquality):
         """
         if not isinstance(d, Mapping):
             raise SpecTypeError(
-                f"an op adapter must be an object with \"op\", got {type_name(d)}.", path=where
+                f"an op adapter must be an object with \"op\", got {json_type(d)}.", path=where
             )
         if extra := sorted(set(d) - set(_DICT_KEYS)):
             raise SpecError(unknown("key", extra[0], _DICT_KEYS) + ".", path=jpath(where, extra[0]))
@@ -353,7 +378,7 @@ class OpAdapter(_KeyedEquality):
             )
         op = d["op"]
         if not isinstance(op, str):
-            raise SpecTypeError(f"\"op\" must be a string 'ns::name', got {type_name(op)}.", path=jpath(where, "op"))
+            raise SpecTypeError(f"\"op\" must be a string 'ns::name', got {json_type(op)}.", path=jpath(where, "op"))
         try:
             normalize_op(op)
         except SpecError as e:
@@ -363,17 +388,11 @@ class OpAdapter(_KeyedEquality):
             raw = d.get(slot, {})
             here = jpath(where, slot)
             if not isinstance(raw, Mapping):
-                raise SpecTypeError(f"{slot} must be an object {{\"<position>\": {{...}}}}, got {type_name(raw)}.", path=here)
+                raise SpecTypeError(f"{slot} must be an object {{\"<position>\": {{...}}}}, got {json_type(raw)}.", path=here)
             table = {}
             for key, value in raw.items():
                 kpath = jpath(here, str(key))
-                if not isinstance(key, str) or not _POSITION_KEY.fullmatch(key):
-                    raise SpecError(
-                        f"position key {key!r} is not a decimal position; write positions as "
-                        "\"0\", \"1\", ... (no sign, no leading zeros).",
-                        path=kpath,
-                    )
-                table[int(key)] = decode(value, kpath)
+                table[position_from_key(key, kpath)] = decode(value, kpath)
             tables.append(table)
         return cls(op, tables[0], tables[1], install_site=install_site or capture_install_site())
 

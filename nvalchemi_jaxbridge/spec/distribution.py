@@ -8,7 +8,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .adapter import OpAdapter
-from .errors import SpecError, SpecTypeError, jpath, type_name, unknown
+from .errors import SpecError, SpecTypeError, jpath, json_type, short, type_name, unknown
+from .json_guard import check_depth
 from .policies import StoragePolicy, is_storage_policy, policy_from_dict, policy_to_dict
 from .registry import AdapterRegistry
 from .third_party import adapter_from_dict, is_third_party_adapter
@@ -93,7 +94,7 @@ class DistributionSpec:
         for i, f in enumerate(fields):
             if not isinstance(f, str) or not f:
                 raise SpecTypeError(
-                    f"field names must be non-empty strings, got {f!r}.",
+                    f"field names must be non-empty strings, got {short(f)}.",
                     path=f"DistributionSpec.shard_fields[{i}]",
                 )
             if f in fields[:i]:
@@ -143,7 +144,8 @@ class DistributionSpec:
             source: a file name recorded in each adapter's install_site.
         """
         if not isinstance(d, Mapping):
-            raise SpecTypeError(f"a DistributionSpec must be an object, got {type_name(d)}.", path=where)
+            raise SpecTypeError(f"a DistributionSpec must be an object, got {json_type(d)}.", path=where)
+        check_depth(d, where)
         if extra := sorted(set(d) - set(_KEYS)):
             raise SpecError(unknown("key", extra[0], _KEYS) + ".", path=jpath(where, extra[0]))
         if "policy" not in d:
@@ -157,7 +159,7 @@ class DistributionSpec:
         for key in ("custom_ops", "third_party_helpers", "shard_fields"):
             value = d.get(key, [])
             if not isinstance(value, list | tuple):
-                raise SpecTypeError(f"{key} must be a list, got {type_name(value)}.", path=jpath(where, key))
+                raise SpecTypeError(f"{key} must be a list, got {json_type(value)}.", path=jpath(where, key))
             lists[key] = value
 
         def site(path: str) -> str:

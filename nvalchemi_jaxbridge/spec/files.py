@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from .distribution import DistributionSpec
-from .errors import SpecError, SpecTypeError, type_name
+from .errors import SpecError, SpecTypeError, json_type, type_name
 from .frozen import FrozenDict, freeze_json, thaw_json
+from .json_guard import check_depth, scan_text
 
 SUPPORTED_VERSION = 2
 
@@ -54,6 +55,7 @@ class SpecFile:
                 raise SpecTypeError(f"SpecFile.envelope must be a mapping or None, got {type_name(self.envelope)}.")
             if clash := sorted({"version", "core"} & set(self.envelope)):
                 raise SpecError(f"SpecFile.envelope must not contain {clash}; they are written from the spec.")
+            check_depth(self.envelope, "SpecFile.envelope")
             object.__setattr__(self, "envelope", freeze_json(self.envelope))
 
     @property
@@ -104,20 +106,62 @@ class SpecFile:
         return SpecFile(self.distribution)
 
 
-def read_json(path: str | os.PathLike[str]) -> Any:
-    """Parse a JSON file; syntax errors become SpecError naming the file, line and column."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+def parse_json(text: str, source: str = "") -> Any:
+    """Parse spec JSON text, refusing what json.loads would take silently (see `json_guard.scan_text`).
+
+    Raises:
+        SpecError: invalid JSON (with line and column), nesting deeper than 32 levels, a
+            duplicate key or a huge integer (with the JSON path).
+    """
+    scan_text(text, source)
+    duplicates: list[str] = []
+
+    def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        d = dict(pairs)
+        if len(d) != len(pairs) and not duplicates:  # scan_text finds these first, with the path
+            seen: set[str] = set()
+            duplicates.append(next(k for k, _ in pairs if k in seen or seen.add(k)))
+        return d
+
     try:
-        return json.loads(text)
+        value = json.loads(text, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as e:
-        raise SpecError(f"{os.fspath(path)}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}.", path="$") from None
+        loc = f"{source}:{e.lineno}:{e.colno}" if source else f"line {e.lineno} column {e.colno}"
+        raise SpecError(f"{loc}: not valid JSON: {e.msg}.", path="$") from None
+    except RecursionError:  # only if scan_text missed it
+        raise SpecError(f"{source or 'the JSON'}: nested too deeply to parse; remove the extra nesting.",
+                        path="$") from None
+    except ValueError as e:  # e.g. an integer past Python's digit limit, if scan_text missed it
+        raise SpecError(f"{source or 'the JSON'}: cannot be read: {e}.", path="$") from None
+    if duplicates:
+        raise SpecError(
+            f"{source or 'the JSON'}: duplicate key {duplicates[0][:60]!r} in one object; keep one of them.",
+            path="$",
+        )
+    return value
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """Parse a UTF-8 JSON file; every error is a SpecError naming the file and the line (or byte)."""
+    source = os.fspath(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise SpecError(
+            f"{source}: byte {e.start} (line {line}) is 0x{data[e.start]:02x}, which is not UTF-8 ({e.reason}); "
+            "spec files are UTF-8 JSON. Re-save the file as UTF-8.",
+            path="$",
+        ) from None
+    return parse_json(text, source)
 
 
 def split_envelope(d: Any, where: str = "$") -> tuple[Mapping[str, Any], dict[str, Any] | None]:
     """(core dict, envelope extras or None for a bare file); checks the version."""
     if not isinstance(d, Mapping):
-        raise SpecTypeError(f"a spec file must hold a JSON object, got {type_name(d)}.", path=where)
+        raise SpecTypeError(f"a spec file must hold a JSON object, got {json_type(d)}.", path=where)
     if "version" not in d and "core" not in d:
         return d, None
     if "version" not in d:
@@ -140,7 +184,8 @@ def load_spec(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> SpecF
     Ops and replacements stay lazy names; they are resolved only at install/compile.
 
     Args:
-        path_or_dict: a path to a JSON file, or the already parsed JSON object.
+        path_or_dict: a path to a JSON file, or the already parsed JSON (an object; any
+            other value is reported as not being one).
 
     Returns:
         a SpecFile; `.distribution` is the DistributionSpec, `.envelope` the other v2
@@ -155,14 +200,15 @@ def load_spec(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> SpecF
         True
     """
     source = ""
-    if isinstance(path_or_dict, Mapping):
-        d = path_or_dict
-    else:
-        source = os.fspath(path_or_dict)
+    if isinstance(path_or_dict, str | bytes | os.PathLike):
+        source = os.fsdecode(path_or_dict)
         d = read_json(source)
-    core, extras = split_envelope(d)
-    where = "$" if extras is None else "$.core"
+    else:  # already parsed JSON
+        d = path_or_dict
+        check_depth(d)
     try:
+        core, extras = split_envelope(d)
+        where = "$" if extras is None else "$.core"
         spec = DistributionSpec.from_dict(core, where=where, source=source)
     except SpecError as e:
         if source:

@@ -25,9 +25,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .distribution import DistributionSpec
-from .errors import SpecError, SpecTypeError, jpath, type_name, unknown
+from .errors import SpecError, SpecTypeError, jpath, json_type, short, type_name, unknown
 from .files import SUPPORTED_VERSION, read_json, split_envelope
 from .frozen import FrozenDict
+from .json_guard import check_depth
 from .policies import GraphParallelPolicy, HaloStoragePolicy
 
 
@@ -69,7 +70,7 @@ def _vocab[E: enum.StrEnum](cls: type[E], value: object, what: str, path: str) -
     if isinstance(value, cls):
         return value
     if not isinstance(value, str):
-        raise SpecTypeError(f"{what} must be a string, one of {allowed}, got {type_name(value)}.", path=path)
+        raise SpecTypeError(f"{what} must be a string, one of {allowed}, got {json_type(value)}.", path=path)
     if value not in allowed:
         raise SpecError(unknown(what, value, allowed) + ".", path=path)
     return cls(value)
@@ -77,18 +78,18 @@ def _vocab[E: enum.StrEnum](cls: type[E], value: object, what: str, path: str) -
 
 def _check_bool(value: object, path: str) -> None:
     if not isinstance(value, bool):
-        raise SpecTypeError(f"must be a bool (true/false in JSON), got {value!r} ({type_name(value)}).", path=path)
+        raise SpecTypeError(f"must be a bool (true/false in JSON), got {short(value)} ({json_type(value)}).", path=path)
 
 
 def _check_name(value: object, path: str, what: str = "output names") -> str:
     if not isinstance(value, str) or not value:
-        raise SpecTypeError(f"{what} must be non-empty strings, got {value!r}.", path=path)
+        raise SpecTypeError(f"{what} must be non-empty strings, got {short(value)}.", path=path)
     return value
 
 
 def _sequence(value: object, path: str, what: str) -> tuple[Any, ...]:
     if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
-        raise SpecTypeError(f"must be {what}, got {type_name(value)}.", path=path)
+        raise SpecTypeError(f"must be {what}, got {json_type(value)}.", path=path)
     return tuple(value)
 
 
@@ -115,7 +116,7 @@ def _kinds(value: object, path: str) -> dict[str, OutputKind]:
     for i, pair in enumerate(pairs):
         here = jpath(path, i)
         if isinstance(pair, str | bytes | Mapping) or not isinstance(pair, list | tuple) or len(pair) != 2:
-            raise SpecTypeError(f'must be a pair ["<output>", "<kind>"], got {pair!r}.', path=here)
+            raise SpecTypeError(f'must be a pair ["<output>", "<kind>"], got {short(pair)}.', path=here)
         name, kind = pair
         _check_name(name, jpath(here, 0))
         if name in out:
@@ -188,7 +189,7 @@ class CompilePolicy:
             SpecError: `{}`, no `force_strategy`, an unknown key or a bad value (with its path).
         """
         if not isinstance(d, Mapping):
-            raise SpecTypeError(f"a compile policy must be an object or null, got {type_name(d)}.", path=where)
+            raise SpecTypeError(f"a compile policy must be an object or null, got {json_type(d)}.", path=where)
         if not d:
             raise SpecError(
                 'an empty compile policy {} declares nothing; write null for no policy, or e.g. '
@@ -244,7 +245,7 @@ def _output_spec(value: object, path: str) -> OutputSpec:
         raise type(e)(e.detail, path=_rebased(e, "OutputSpec", path)) from None
     raise SpecTypeError(
         f'an output is declared as a kind ("per_graph"), a (kind, reduce) pair (("per_node", "owned_only")) '
-        f"or an OutputSpec, got {value!r}.",
+        f"or an OutputSpec, got {short(value)}.",
         path=path,
     )
 
@@ -495,7 +496,8 @@ class MLIPSpec:
                 message starts with the JSON path (`$.output_kinds[2][1]`, `$.compile.force_strategy`).
         """
         if not isinstance(d, Mapping):
-            raise SpecTypeError(f"an MLIPSpec must be a JSON object, got {type_name(d)}.", path=where)
+            raise SpecTypeError(f"an MLIPSpec must be a JSON object, got {json_type(d)}.", path=where)
+        check_depth(d, where)
         core, extras = split_envelope(d, where)
         if extras is None:
             raise SpecError(
@@ -521,10 +523,10 @@ class MLIPSpec:
         fields = {k: extras[k] for k in ENVELOPE_KEYS if k in extras}
         for key in ("owned_only_outputs", "all_reduce_outputs"):
             if key in fields and not isinstance(fields[key], list | tuple):
-                raise SpecTypeError(f"must be a list of output names, got {type_name(fields[key])}.",
+                raise SpecTypeError(f"must be a list of output names, got {json_type(fields[key])}.",
                                     path=jpath(where, key))
         if "output_kinds" in fields and not isinstance(fields["output_kinds"], list | tuple | Mapping):
-            raise SpecTypeError(f'must be a list of ["<output>", "<kind>"] pairs, got {type_name(fields["output_kinds"])}.',
+            raise SpecTypeError(f'must be a list of ["<output>", "<kind>"] pairs, got {json_type(fields["output_kinds"])}.',
                                 path=jpath(where, "output_kinds"))
         if (raw := fields.get("compile")) is not None:
             fields["compile"] = CompilePolicy.from_dict(raw, where=jpath(where, "compile"))

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from .errors import SpecError, SpecTypeError, jpath, type_name, unknown
+from .errors import SpecError, SpecTypeError, jpath, json_type, short, type_name, unknown
 
 SCATTER_MODES = ("local", "halo_correction")
 GATHER_MODES = ("local", "halo_read")
@@ -89,6 +89,11 @@ def _halo_builder(cls: type, default_scatter: str) -> Callable[[Mapping[str, Any
     def build(d: Mapping[str, Any], where: str = "policy") -> Any:
         _fields_only(d, {"scatter_mode", "gather_mode"}, cls.kind, where)
         for name, allowed in (("scatter_mode", SCATTER_MODES), ("gather_mode", GATHER_MODES)):
+            if name in d and not isinstance(d[name], str):
+                raise SpecTypeError(
+                    f"{name} must be a string, one of {list(allowed)}; got {json_type(d[name])} {short(d[name])}.",
+                    path=jpath(where, name),
+                )
             if name in d and d[name] not in allowed:
                 raise SpecError(unknown("mode", d[name], allowed) + ".", path=jpath(where, name))
         return cls(d.get("scatter_mode", default_scatter), d.get("gather_mode", "halo_read"))
@@ -180,14 +185,19 @@ def policy_from_dict(d: Mapping[str, Any], where: str = "policy") -> StoragePoli
     """Inverse of policy_to_dict; custom kinds go through their registered builder."""
     if not isinstance(d, Mapping):
         raise SpecError(
-            f"a policy must be an object like {{\"kind\": \"halo\"}}, got {type_name(d)}.", path=where
+            f"a policy must be an object like {{\"kind\": \"halo\"}}, got {json_type(d)}.", path=where
         )
     if "kind" not in d:
         raise SpecError(
-            f"policy {dict(d)!r} has no \"kind\"; expected one of {policy_kinds()}.", path=where
+            f"policy {short(dict(d))} has no \"kind\"; expected one of {policy_kinds()}.", path=where
         )
     kind = d["kind"]
-    builder = _POLICY_KINDS.get(kind) if isinstance(kind, str) else None
+    if not isinstance(kind, str):
+        raise SpecTypeError(
+            f"a policy's \"kind\" must be a string, one of {policy_kinds()}; got {json_type(kind)} {short(kind)}.",
+            path=jpath(where, "kind"),
+        )
+    builder = _POLICY_KINDS.get(kind)
     if builder is None:
         raise SpecError(
             unknown("policy kind", kind, _POLICY_KINDS)

@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-from .errors import SpecError, SpecTypeError, jpath, type_name, unknown
+from .errors import SpecError, SpecTypeError, jpath, json_type, short, type_name, unknown
 from .frozen import _KeyedEquality
 from .status import AdapterState, AdapterStatus, capture_install_site
 
@@ -80,24 +80,24 @@ def _check_replacement(r: object, where: str) -> None:
         if sep and _DOTTED.fullmatch(module_path) and qual:
             return
         raise SpecError(
-            f"replacement {r!r} is not of the form 'module.path:qualname', "
+            f"replacement {short(r)} is not of the form 'module.path:qualname', "
             "e.g. 'mypkg.patches:owned_mol_sum'.",
-            path=where,
+            path=f"{where}.replacement",
         )
     raise SpecTypeError(
         f"replacement must be a callable, a 'module:qualname' string or None, got {type_name(r)}.",
-        path=where,
+        path=f"{where}.replacement",
     )
 
 
 def _check_name(value: object, field: str, pattern: re.Pattern[str], where: str, example: str) -> None:
     if not isinstance(value, str) or not pattern.fullmatch(value):
-        raise SpecError(f"{field} must be {example}, got {value!r}.", path=where)
+        raise SpecError(f"{field} must be {example}, got {short(value)}.", path=f"{where}.{field}")
 
 
 def _check_mode(mode: object, allowed: tuple[str, ...], where: str) -> None:
     if mode not in allowed:
-        raise SpecError(unknown("mode", mode, allowed) + ".", path=where)
+        raise SpecError(unknown("mode", mode, allowed) + ".", path=f"{where}.mode")
 
 
 def _callable_replacement(r: Replacement, where: str) -> Callable[..., Any]:
@@ -138,12 +138,35 @@ class _Helper(_KeyedEquality):
 
 def _check_keys(d: Any, kind: str, allowed: tuple[str, ...], required: tuple[str, ...], where: str) -> None:
     if not isinstance(d, Mapping):
-        raise SpecTypeError(f"a {kind!r} adapter must be an object, got {type_name(d)}.", path=where)
+        raise SpecTypeError(f"a {kind!r} adapter must be an object, got {json_type(d)}.", path=where)
     if extra := sorted(set(d) - set(allowed) - {"kind"}):
         raise SpecError(unknown(f"key for a {kind!r} adapter:", extra[0], allowed) + ".", path=jpath(where, extra[0]))
     for key in required:
         if key not in d:
             raise SpecError(f"missing {key!r} in a {kind!r} adapter; it needs {list(required)}.", path=where)
+    for key in allowed:  # every field of the built-in kinds is a string; "replacement" may be null
+        value = d.get(key, "")
+        if key == "replacement" and not (value is None or isinstance(value, str)):
+            raise SpecTypeError(
+                f"replacement must be a 'module:qualname' string or null, got {json_type(value)} {short(value)}.",
+                path=jpath(where, key),
+            )
+        if key != "replacement" and not isinstance(value, str):
+            raise SpecTypeError(f"{key} must be a string, got {json_type(value)} {short(value)}.", path=jpath(where, key))
+
+
+def _memento(adapter: Any, memento: Any, keys: tuple[str, ...]) -> bool:
+    """Check a memento given to restore(); True for the `{"deferred": True}` of a declaration-only adapter."""
+    if isinstance(memento, Mapping):
+        if memento.get("deferred") is True:
+            return True
+        if all(k in memento for k in keys):
+            return False
+    raise SpecTypeError(
+        f"restore() expects the memento install() returned: {{'deferred': True}} or a dict with "
+        f"{list(keys)}; got {short(memento)}. Pass the value of install() back unchanged.",
+        path=f"{adapter._where()}.restore",
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -188,7 +211,7 @@ class PythonAdapter(_Helper):
 
     def restore(self, memento: Mapping[str, Any]) -> None:
         """Put the original attribute back."""
-        if not memento.get("deferred"):
+        if not _memento(self, memento, ("module", "original")):
             setattr(memento["module"], self.attr_name, memento["original"])
 
     def to_dict(self) -> dict[str, Any]:
@@ -222,7 +245,10 @@ def _build(cls: type, where: str, install_site: str, *args: Any, **kwargs: Any) 
     try:
         return cls(*args, **kwargs, install_site=install_site or capture_install_site())
     except SpecError as e:
-        raise type(e)(e.detail, path=where) from None
+        # The constructor names the field as "<Class>(...).<field>"; point at it in the JSON.
+        field = (e.path or "").rpartition(".")[2]
+        fields = {f.name: f.name for f in dataclasses.fields(cls)} | {"declared_target": "target"}
+        raise type(e)(e.detail, path=jpath(where, fields[field]) if field in fields else where) from None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -376,7 +402,7 @@ class MethodAdapter(_Helper):
 
     def restore(self, memento: Mapping[str, Any]) -> None:
         """Put the original method back (or drop the patch if the method was inherited)."""
-        if memento.get("deferred"):
+        if _memento(self, memento, ("cls", "original")):
             return
         if memento.get("had_own", True):
             setattr(memento["cls"], self.method_name, memento["original"])
@@ -431,7 +457,7 @@ class ModuleForwardAdapter(_Helper):
     def __post_init__(self) -> None:
         where = f"ModuleForwardAdapter(label={self.label!r})"
         if not isinstance(self.label, str):
-            raise SpecTypeError(f"label must be a str, got {type_name(self.label)}.", path=where)
+            raise SpecTypeError(f"label must be a str, got {type_name(self.label)}.", path=f"{where}.label")
         if self.module is None:
             if not self.declared_target:
                 raise SpecError(
@@ -469,7 +495,7 @@ class ModuleForwardAdapter(_Helper):
 
     def restore(self, memento: Mapping[str, Any]) -> None:
         """Restore the instance's previous forward (or fall back to the class's)."""
-        if memento.get("deferred"):
+        if _memento(self, memento, ("had", "prev")):
             return
         if memento["had"]:
             self.module.forward = memento["prev"]
@@ -556,12 +582,17 @@ def is_third_party_adapter(x: object) -> bool:
 def adapter_from_dict(d: Mapping[str, Any], *, where: str = "adapter", install_site: str = "") -> Any:
     """Decode a third-party adapter dict by its "kind"."""
     if not isinstance(d, Mapping):
-        raise SpecTypeError(f"an adapter must be an object with \"kind\", got {type_name(d)}.", path=where)
+        raise SpecTypeError(f"an adapter must be an object with \"kind\", got {json_type(d)}.", path=where)
     if "kind" not in d:
         hint = " (it has \"op\": op adapters go in custom_ops)" if "op" in d else ""
         raise SpecError(f"adapter has no \"kind\"{hint}; expected one of {adapter_kinds()}.", path=where)
     kind = d["kind"]
-    cls = _ADAPTER_KINDS.get(kind) if isinstance(kind, str) else None
+    if not isinstance(kind, str):
+        raise SpecTypeError(
+            f"an adapter's \"kind\" must be a string, one of {adapter_kinds()}; got {json_type(kind)} {short(kind)}.",
+            path=jpath(where, "kind"),
+        )
+    cls = _ADAPTER_KINDS.get(kind)
     if cls is None:
         raise SpecError(
             unknown("adapter kind", kind, _ADAPTER_KINDS)

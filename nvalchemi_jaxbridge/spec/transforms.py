@@ -7,10 +7,11 @@ Argument transforms (`ArgTransform`) act on what the kernel sees; output transfo
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from .errors import SpecError, SpecTypeError, jpath, type_name, unknown
+from .errors import SpecError, SpecTypeError, jpath, json_type, short, type_name, unknown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +59,7 @@ class AllReduceSum:
     def __post_init__(self) -> None:
         if not isinstance(self.replicated_consumer, bool):
             raise SpecTypeError(
-                f"AllReduceSum(replicated_consumer={self.replicated_consumer!r}): expected a bool, "
+                f"AllReduceSum(replicated_consumer={short(self.replicated_consumer)}): expected a bool, "
                 f"got {type_name(self.replicated_consumer)}; pass True or False."
             )
 
@@ -98,15 +99,24 @@ def _decode(d: Any, kinds: dict[str, type], other: dict[str, type], slot: str, w
     if not isinstance(d, Mapping):
         raise SpecError(
             f"a transform must be an object like {{\"type\": {next(iter(kinds))!r}}}, "
-            f"got {type_name(d)} {d!r}.",
+            f"got {json_type(d)} {short(d)}.",
             path=where,
         )
     if "type" not in d:
         raise SpecError(
-            f"transform {dict(d)!r} has no \"type\"; expected one of {sorted(kinds)}.", path=where
+            f"transform {short(dict(d))} has no \"type\"; expected one of {sorted(kinds)}.", path=where
         )
     kind = d["type"]
-    if not isinstance(kind, str) or kind not in kinds:
+    if not isinstance(kind, str):
+        hint = ""
+        if isinstance(kind, list | tuple) and len(kind) == 1 and isinstance(kind[0], str):
+            hint = f"; write the string itself, \"type\": {json.dumps(kind[0][:60])}"
+        raise SpecTypeError(
+            f"a transform's \"type\" must be a string, one of {sorted(kinds)}; got {json_type(kind)} "
+            f"{short(kind)}{hint}.",
+            path=jpath(where, "type"),
+        )
+    if kind not in kinds:
         if kind in other:
             other_slot = "output_transforms" if slot == "arg_transforms" else "arg_transforms"
             raise SpecError(
@@ -120,12 +130,15 @@ def _decode(d: Any, kinds: dict[str, type], other: dict[str, type], slot: str, w
     fields = {f.name for f in dataclasses.fields(cls)}
     if extra := sorted(set(d) - fields - {"type"}):
         raise SpecTypeError(
-            f"unknown field(s) {extra} for transform {kind!r}; allowed: {sorted(fields) or 'none'}.",
+            f"unknown field(s) {short(extra)} for transform {kind!r}; allowed: {sorted(fields) or 'none'}.",
             path=jpath(where, extra[0]),
         )
+    given = sorted(fields & set(d))
     try:
         # Legacy JSON without fields ({"type": "all_reduce_sum"}) takes the defaults.
-        return cls(**{k: d[k] for k in fields & set(d)})
+        return cls(**{k: d[k] for k in given})
+    except SpecError as e:  # a field's value: point at the field (the one field there is)
+        raise type(e)(e.detail, path=jpath(where, given[0]) if len(given) == 1 else where) from None
     except TypeError as e:
         raise SpecTypeError(str(e), path=where) from None
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 Handler = Callable[[Any, tuple, tuple, dict], Any]
@@ -141,17 +141,46 @@ def install_adapter(adapter: Any, live_op: Any) -> Memento:
     return Memento(op, packet, token, label)
 
 
+def _check_memento_dict(memento: Mapping[str, Any]) -> None:
+    """A reference-style memento `{"op": OpOverload, "packet": OpOverloadPacket | None}` (+ our "token")."""
+    import torch
+
+    op, packet = memento.get("op"), memento.get("packet")
+    bad = sorted(str(k) for k in memento if k not in ("op", "packet", "token"))
+    if "op" not in memento:
+        problem = "it has no 'op'"
+    elif not isinstance(op, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        problem = f"'op' is {type(op).__name__} {op!r:.60}, not a torch OpOverload"
+    elif packet is not None and not isinstance(packet, torch._ops.OpOverloadPacket):
+        problem = f"'packet' is {type(packet).__name__} {packet!r:.60}, not an OpOverloadPacket or None"
+    elif "token" in memento and (isinstance(memento["token"], bool) or not isinstance(memento["token"], int)):
+        problem = f"'token' is {type(memento['token']).__name__}, not the int install_adapter returned"
+    elif bad:
+        problem = f"it has the unknown key(s) {bad[:5]}"
+    else:
+        return
+    raise TypeError(
+        f"restore_adapter: a memento dict must be {{'op': <OpOverload>, 'packet': <OpOverloadPacket or None>}}, "
+        f"but {problem}. Pass the Memento that install() returned, unchanged."
+    )
+
+
 def restore_adapter(memento: Memento | dict) -> None:
     """Remove the entries of one install; the adapter below (if any) is active again.
 
     Restoring the same memento twice is harmless. A reference-style dict
-    `{"op": ..., "packet": ...}` without a token clears every entry of the op.
+    `{"op": ..., "packet": ...}` without a token clears every entry of the op; a
+    malformed one (no torch op under "op", say) raises TypeError.
     """
     if isinstance(memento, Memento):
         unregister(_keys(memento.op, memento.packet), memento.token)
         return
-    if isinstance(memento, dict) and "op" in memento:
+    if isinstance(memento, Mapping):
+        _check_memento_dict(memento)
         keys = _keys(memento["op"], memento.get("packet"))
+        if "token" in memento:
+            unregister(keys, memento["token"])
+            return
         with _LOCK:
             for key in keys:
                 _STACKS.pop(key, None)

@@ -183,7 +183,7 @@ def test_helper_construction_errors(build, exc, match):
         ({"op": "a::b"}, r"op adapters go in custom_ops"),
         ({"kind": "python", "module_path": "a"}, r"missing 'attr_name'"),
         ({"kind": "python", "module_path": "a", "attr_name": "f", "mode": "eager"}, r"\$\.h\.mode: unknown key for a 'python' adapter: 'mode'"),
-        ({"kind": "method", "module_path": "a", "class_name": "C", "method_name": "m", "mode": "x"}, r"\$\.h: .*unknown mode 'x'"),
+        ({"kind": "method", "module_path": "a", "class_name": "C", "method_name": "m", "mode": "x"}, r"\$\.h\.mode: unknown mode 'x'"),
     ],
 )
 def test_helper_decoding_errors(d, match):
