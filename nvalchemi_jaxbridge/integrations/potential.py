@@ -6,7 +6,8 @@ the positions, the owned-row mask, a per-atom array or a constant) and which
 output is the energy. It then behaves like `mlip.DistributedMLIP` for the
 engines of this package: `prepare` lays a structure out over the mesh,
 `needs_rebuild` / `rebuild` follow the atoms, and `energy_fn(state, pos, strain)`
-is a pure JAX function whose gradients are the forces and the virial.
+is a pure JAX function whose gradients are the forces and the virial. The
+recipe is checked against the adapter at construction (`recipe.py`).
 
 Stress: the strain acts on the owned positions and on the tables' periodic
 image shifts (`halo_offset`), which is the same as straining positions and
@@ -23,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-_RESERVED = ("positions", "owned_mask")
+from .recipe import RESERVED, check_energy_output, check_recipe, pick_adapter
+
 _DTYPES = ("float32", "float64")
 
 
@@ -133,15 +135,15 @@ class KernelPotential:
                 f"policy {type(getattr(self.spec, 'policy', None)).__name__} with {len(custom_ops)} adapter(s); "
                 "use DistributionSpec(policy=HaloStoragePolicy(), adapters=(OpAdapter(...),))."
             )
-        object.__setattr__(self, "adapter", _pick_adapter(custom_ops, self.adapter))
+        object.__setattr__(self, "adapter", pick_adapter(custom_ops, self.adapter))
         if isinstance(self.args, (str, bytes)) or not hasattr(self.args, "__iter__"):
             raise TypeError(
                 f"{where}: args must be a tuple, one item per kernel argument, got {type(self.args).__name__}; "
                 "e.g. args=('positions', 'owned_mask', 0.0104, 3.4, 6.0)."
             )
         object.__setattr__(self, "args", tuple(self.args))
-        _check_recipe(self.args, self.adapter)
-        _check_energy_output(self.energy_output, self.adapter)
+        check_recipe(self.args, self.adapter)
+        check_energy_output(self.energy_output, self.adapter)
         for name, low in (("cutoff", 0.0), ("skin", 0.0), ("headroom", 1.0)):
             v = getattr(self, name)
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
@@ -161,7 +163,7 @@ class KernelPotential:
     @functools.cached_property
     def per_atom_names(self) -> tuple[str, ...]:
         """Names of the per-atom arrays the recipe reads, in recipe order, without repeats."""
-        return tuple(dict.fromkeys(a for a in self.args if isinstance(a, str) and a not in _RESERVED))
+        return tuple(dict.fromkeys(a for a in self.args if isinstance(a, str) and a not in RESERVED))
 
     @functools.cached_property
     def device_mesh(self) -> Any:
@@ -275,7 +277,7 @@ class KernelPotential:
 
         arrays = []
         for i, item in enumerate(self.args):
-            if isinstance(item, str) and item not in _RESERVED:
+            if isinstance(item, str) and item not in RESERVED:
                 gathered = isinstance(self.adapter.arg_transforms.get(i), GatherInputs)
                 arrays.append(cs.owned(values[item]) if gathered else cs.halo(values[item]))
         return KernelState(cs, tuple(arrays), dict(values), numbers, cell, periodic)
@@ -317,89 +319,3 @@ class KernelPotential:
                 "after its AllReduceSum, expected a scalar energy; set energy_output= to the energy's index."
             )
         return out, None
-
-
-# -------------------------------------------------------------------- checks
-
-
-def _pick_adapter(custom_ops: tuple[Any, ...], chosen: Any) -> Any:
-    """The adapter named by `chosen` (adapter, op or target name), or the only one."""
-    names = [_target(a) for a in custom_ops]
-    if chosen is None:
-        if len(custom_ops) == 1:
-            return custom_ops[0]
-        raise ValueError(
-            f"KernelPotential: the spec has {len(custom_ops)} adapters {names}; say which one gives the energy "
-            "with adapter= (the OpAdapter, its op, or its target name)."
-        )
-    hits = [a for a, n in zip(custom_ops, names)
-            if a is chosen or a.op is chosen or (isinstance(chosen, str) and chosen in (n, a.op))]
-    if len(hits) != 1:
-        raise ValueError(
-            f"KernelPotential: adapter={chosen!r} matches {len(hits)} of the spec's adapters {names}; pass the "
-            "OpAdapter itself, its op, or one of those target names."
-        )
-    return hits[0]
-
-
-def _target(adapter: Any) -> str:
-    try:
-        return str(adapter.describe().target)
-    except Exception:  # noqa: BLE001 - a stand-in without describe()
-        return str(adapter.op)
-
-
-def _check_recipe(args: tuple[Any, ...], adapter: Any) -> None:
-    """Item types, one positions item on a GatherInputs argument, no transform outside the recipe."""
-    from ..spec.transforms import GatherInputs
-
-    where = "KernelPotential"
-    for i, item in enumerate(args):
-        if isinstance(item, str):
-            if item not in _RESERVED and not item.isidentifier():
-                raise ValueError(
-                    f"{where}: args[{i}] = {item!r} is neither 'positions', 'owned_mask' nor a per-atom array "
-                    "name (a Python identifier such as 'charges')."
-                )
-        elif not isinstance(item, (bool, int, float)):
-            raise TypeError(
-                f"{where}: args[{i}] is {type(item).__name__}; recipe items are 'positions', 'owned_mask', a "
-                "per-atom array name, or a Python scalar (constant arrays: close over them in the kernel)."
-            )
-    if args.count("positions") != 1:
-        raise ValueError(
-            f"{where}: args must name 'positions' exactly once, got {args.count('positions')} in {args!r}; put "
-            "'positions' at the kernel's positions argument."
-        )
-    pos = args.index("positions")
-    transforms = adapter.arg_transforms
-    if not isinstance(transforms.get(pos), GatherInputs):
-        raise ValueError(
-            f"{where}: args[{pos}] is 'positions', but the adapter has "
-            f"{type(transforms.get(pos)).__name__ if pos in transforms else 'no transform'} on argument {pos}; "
-            f"declare it gathered: OpAdapter(op, gather_inputs=[{pos}], ...)."
-        )
-    for i, item in enumerate(args):
-        if item == "owned_mask" and i in transforms:
-            raise ValueError(
-                f"{where}: args[{i}] is 'owned_mask' (the halo block's owned rows), but the adapter declares "
-                f"{type(transforms[i]).__name__}() on argument {i}; remove that transform."
-            )
-    if beyond := sorted(p for p in transforms if p >= len(args)):
-        raise ValueError(
-            f"{where}: the adapter declares {type(transforms[beyond[0]]).__name__}() on argument {beyond[0]}, but "
-            f"args has only {len(args)} items; extend args to cover every transformed argument."
-        )
-
-
-def _check_energy_output(index: Any, adapter: Any) -> None:
-    from ..spec.transforms import AllReduceSum
-
-    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-        raise ValueError(f"KernelPotential: energy_output must be an output index >= 0, got {index!r}.")
-    if not isinstance(adapter.output_transforms.get(index), AllReduceSum):
-        raise ValueError(
-            f"KernelPotential: energy_output={index}, but the adapter's output {index} has no AllReduceSum() "
-            f"(it has {adapter.output_transforms.get(index)!r}); the energy must be summed over devices: "
-            f"OpAdapter(op, ..., all_reduce_outputs=[{index}]), or point energy_output at that output."
-        )

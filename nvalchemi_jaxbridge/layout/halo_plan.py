@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _storage
 from ._assemble import OnOverflow, _assemble, _pair_request, _positive_int, _readonly
 from .errors import HaloOverflowError as HaloOverflowError
 from .grid import choose_grid
@@ -303,43 +304,11 @@ class HaloPlan:
         jump = np.where(np.array(self.periodic), np.round(frac), 0.0)
         return (frac - jump) @ self.basis, jump.any(axis=1)
 
-    # ---------------------------------------------- numpy reference layouts
-
-    def _check_global(self, x: np.ndarray, where: str, positions: bool) -> np.ndarray:
-        """`x` as an array with `n_atoms` rows (and `(N, 3)` floats when `positions`)."""
-        x = np.asarray(x)
-        if x.ndim == 0 or x.shape[0] != self.n_atoms:
-            raise ValueError(f"HaloPlan.{where}: expected {self.n_atoms} rows (one per atom), got shape {x.shape}.")
-        if positions and (x.shape[1:] != (3,) or not np.issubdtype(x.dtype, np.floating)):
-            raise ValueError(
-                f"HaloPlan.{where}(positions=True): expected float positions of shape ({self.n_atoms}, 3), "
-                f"got {x.dtype} {x.shape}."
-            )
-        return x
-
-    def _check_rows(self, x: np.ndarray, rows: int, where: str, storage: str) -> np.ndarray:
-        """`x` reshaped to `(D, rows, ...)`, or a ValueError naming the expected shape."""
-        x = np.asarray(x)
-        if x.ndim == 0 or x.shape[0] != self.n_devices * rows:
-            raise ValueError(
-                f"HaloPlan.{where}: expected {storage} storage with D * {rows} = {self.n_devices * rows} rows, "
-                f"got shape {x.shape}."
-            )
-        return x.reshape(self.n_devices, rows, *x.shape[1:])
-
-    def _layout(self, x: np.ndarray, ids: np.ndarray, offset: np.ndarray, positions: bool) -> np.ndarray:
-        """Rows `x[ids]` (zero where `ids == -1`), plus `offset` for positions, flattened over devices."""
-        valid = ids >= 0
-        out = np.zeros(ids.shape + x.shape[1:], dtype=x.dtype)
-        out[valid] = x[ids[valid]]
-        if positions:
-            out = out + offset.astype(x.dtype)
-        return out.reshape(-1, *x.shape[1:])
+    # ------------------------------------- numpy reference layouts (_storage.py)
 
     def to_owned(self, x_global: np.ndarray, *, positions: bool = False) -> np.ndarray:
         """Per-atom `(N, ...)` values in owned storage `(D * owned_capacity, ...)`; padding zero or parked."""
-        x = self._check_global(x_global, "to_owned", positions)
-        return self._layout(x, self.owned_global, self.owned_offset, positions)
+        return _storage.to_owned(self, x_global, positions)
 
     def to_halo(self, x_global: np.ndarray, *, positions: bool = False) -> np.ndarray:
         """Per-atom values in halo storage `(D * halo_rows, ...)`: owned rows, ghost copies, padding.
@@ -347,16 +316,11 @@ class HaloPlan:
         With `positions=True` owned and ghost rows are shifted into the wrapped frame
         (`halo_offset`) and padding rows parked.
         """
-        x = self._check_global(x_global, "to_halo", positions)
-        return self._layout(x, self.halo_global, self.halo_offset, positions)
+        return _storage.to_halo(self, x_global, positions)
 
     def from_owned(self, x_owned: np.ndarray) -> np.ndarray:
         """Owned storage `(D * owned_capacity, ...)` back to `(N, ...)` in global-id order."""
-        x = self._check_rows(x_owned, self.owned_capacity, "from_owned", "owned")
-        out = np.zeros((self.n_atoms, *x.shape[2:]), dtype=x.dtype)
-        mask = self.owned_mask
-        out[self.owned_global[mask]] = x[mask]
-        return out
+        return _storage.from_owned(self, x_owned)
 
     def reference_forward(self, x_owned: np.ndarray, *, positions: bool = False) -> np.ndarray:
         """Forward halo exchange (GatherInputs) with the tables: owned storage -> halo storage.
@@ -366,22 +330,7 @@ class HaloPlan:
         its `recv_slot`s. With `positions=True`, `halo_offset` is added to every row
         (owned and ghost rows then lie in the wrapped frame).
         """
-        x = self._check_rows(x_owned, self.owned_capacity, "reference_forward", "owned")
-        d, oc, hr = self.n_devices, self.owned_capacity, self.halo_rows
-        feat = x.shape[2:]
-        owned = np.zeros((d, oc + 1, *feat), dtype=x.dtype)  # row oc: zero, hit by padding send_idx
-        owned[:, :oc][self.owned_mask] = x[self.owned_mask]
-        halo = np.zeros((d, hr + 1, *feat), dtype=x.dtype)  # row hr: sink for padding recv_slot
-        halo[:, :oc] = owned[:, :oc]
-        ranks = np.arange(d)
-        for k, send, slot in zip(self.offsets, self.send_idx, self.recv_slot):
-            message = owned[ranks[:, None], send]  # (D, cap, ...) built by each sender
-            received = message[(ranks - k) % d]  # device r receives from r - k
-            halo[ranks[:, None], slot] = received
-        out = halo[:, :hr]
-        if positions:
-            out = out + self.halo_offset.reshape(d, hr, *([1] * (len(feat) - 1)), 3).astype(x.dtype)
-        return out.reshape(d * hr, *feat)
+        return _storage.reference_forward(self, x_owned, positions)
 
     def reference_reverse(self, x_halo: np.ndarray) -> np.ndarray:
         """Reverse halo exchange with the tables: halo storage -> owned storage (the transpose of forward).
@@ -389,21 +338,7 @@ class HaloPlan:
         Each ghost row goes back to its owner and is added into its owned row;
         padding rows are ignored and owned padding comes out zero.
         """
-        x = self._check_rows(x_halo, self.halo_rows, "reference_reverse", "halo")
-        d, oc, hr = self.n_devices, self.owned_capacity, self.halo_rows
-        feat = x.shape[2:]
-        halo = np.zeros((d, hr + 1, *feat), dtype=x.dtype)
-        halo[:, :hr] = x
-        owned = np.zeros((d, oc + 1, *feat), dtype=x.dtype)
-        owned[:, :oc][self.owned_mask] = x[:, :oc][self.owned_mask]
-        ranks = np.arange(d)
-        for k, send, slot in zip(self.offsets, self.send_idx, self.recv_slot):
-            message = halo[ranks[:, None], slot]  # gathered by each receiver
-            returned = message[(ranks + k) % d]  # sender s gets it back from s + k
-            np.add.at(owned, (ranks[:, None], send), returned)
-        out = owned[:, :oc]
-        out[~self.owned_mask] = 0
-        return out.reshape(d * oc, *feat)
+        return _storage.reference_reverse(self, x_halo)
 
     # ------------------------------------------------------------- summary
 

@@ -27,6 +27,12 @@ Any other `jax.Array` sharding is rejected, never resharded silently.
 Outputs: `ScatterOutputs` -> halo storage `P(axis)`; `AllReduceSum` ->
 replicated `P()`; `SliceOutputsOwned` -> `(D * (owned_capacity + k), ...)`
 `P(axis)`; any other output is each device's block, concatenated `P(axis)`.
+
+Where the pieces live: `arguments.py` gives each leaf its role and places it
+(the rule above); `programs.py` builds an adapter's `shard_map` program for
+one argument layout (`call` caches it); `entries.py` resolves the adapters;
+`exchange.py` runs the `refresh` / `fold` methods. This module keeps
+`CompiledSpec` (placement, plans, `call`, pytree) and `compile`.
 """
 
 from __future__ import annotations
@@ -37,24 +43,13 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..spec.transforms import (
-    AllReduceSum,
-    GatherInputs,
-    GatherInputsFull,
-    ScatterOutputs,
-    SliceOutputsOwned,
-    SliceOwned,
-)
-from . import collectives as C
-from . import exchange
+from . import arguments, exchange, programs
 from .entries import _Entry, _find, _position_args, _resolve, _storage_kind, jax_kernel
 from .mesh import auto_mesh, mesh_axis
-from .tables import HaloTables, ShardTables, Tables, device_tables, is_halo_plan, is_shard_plan, place
-
-_STATIC_TYPES = (bool, int, float, complex, str, bytes, type(None))
+from .tables import Tables, device_tables, is_halo_plan, is_shard_plan, place
 
 
 # -------------------------------------------------------------- CompiledSpec
@@ -230,229 +225,20 @@ class CompiledSpec:
             `jax.Array`s (a single array if the kernel returns one).
         """
         e = _find(self._entries, target, "CompiledSpec.call")
-        flat, treedef, roles = self._classify(e, args, kwargs)
+        flat, treedef, roles = arguments.classify(self, e, args, kwargs)
         key = (e.index, treedef, tuple(r[:2] if r[0] != "static" else r for r in roles),
                self.tables.static_key, self.per_device_reductions)
         fn = self._cache.get(key)
         if fn is None:
-            fn = self._build(e, treedef, roles)
+            fn = programs.build(self, e, treedef, roles)
             self._cache[key] = fn
         dyn = [x for x, r in zip(flat, roles) if r[0] != "static"]
-        _refuse_explicit(dyn, e)
+        arguments.refuse_explicit(dyn, e)
         out, single = fn(self.tables, *dyn)
         return out[0] if single else out
 
-    def _classify(self, e: _Entry, args: tuple, kwargs: dict) -> tuple[list, Any, list]:
-        """Flatten the call's arguments and give each leaf a role, placing numpy data on the mesh."""
-        at: dict[Any, int] = {}  # ("a", i) or ("k", name) -> transformed position
-        for pos in e.args:
-            if pos < len(args):
-                at[("a", pos)] = pos
-            elif e.params is not None and pos < len(e.params) and e.params[pos] in kwargs:
-                at[("k", e.params[pos])] = pos
-            else:
-                kw = f" or keyword {e.params[pos]!r}" if e.params is not None and pos < len(e.params) else ""
-                raise TypeError(
-                    f"CompiledSpec.call: adapter {e.name!r} declares {type(e.args[pos]).__name__}() on "
-                    f"{e.label(pos)}, but the call passed neither positional argument {pos}{kw}."
-                )
-        flat, roles, parts = [], [], []
-        for where, value in [(("a", i), v) for i, v in enumerate(args)] + [(("k", k), v) for k, v in kwargs.items()]:
-            pos = at.get(where)
-            if pos is not None:
-                x, role = self._transformed(e, pos, value)
-                flat.append(x)
-                roles.append(role)
-                parts.append(jax.tree_util.tree_structure(0))
-                continue
-            leaves, sub = jax.tree_util.tree_flatten(value)
-            parts.append(sub)
-            for leaf in leaves:
-                x, role = self._plain(e, where, leaf)
-                flat.append(x)
-                roles.append(role)
-        keys = tuple(("a", i) for i in range(len(args))) + tuple(("k", k) for k in kwargs)
-        return flat, (keys, tuple(parts)), roles
 
-    def _transformed(self, e: _Entry, pos: int, value: Any) -> tuple[jax.Array, tuple]:
-        """A transformed argument, checked against the plan's rows and placed `P(axis)`."""
-        t = e.args[pos]
-        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
-            raise TypeError(
-                f"CompiledSpec.call: adapter {e.name!r} {e.label(pos)} has {type(t).__name__}() but got "
-                f"{type(value).__name__}; pass an array of per-atom rows."
-            )
-        d = self.tables.n_devices
-        rows = value.shape[0] if len(value.shape) else None
-        if isinstance(t, GatherInputs):
-            want, store = d * self.tables.owned_capacity, "owned storage (CompiledSpec.owned)"
-            ok = rows == want
-        elif isinstance(t, SliceOwned):
-            want, store = d * self.tables.halo_rows, "halo storage (CompiledSpec.halo)"
-            ok = rows == want
-        else:
-            want, store = f"{d} * (owned_capacity={self.tables.owned_capacity} + pad rows)", "sharded storage (CompiledSpec.owned)"
-            ok = rows is not None and rows % d == 0 and rows // d >= self.tables.owned_capacity
-        if not ok:
-            raise ValueError(
-                f"CompiledSpec.call: adapter {e.name!r} {e.label(pos)} ({type(t).__name__}) expects "
-                f"{store} with {want} rows, got shape {tuple(value.shape)}."
-            )
-        if isinstance(value, jax.core.Tracer):
-            pass  # inside jit / grad: shard_map places it by in_specs
-        elif isinstance(value, jax.Array):
-            spec = getattr(value.sharding, "spec", None)
-            if not (isinstance(value.sharding, NamedSharding) and spec and spec[0] == self.axis):
-                if not value.is_fully_addressable:
-                    raise ValueError(
-                        f"CompiledSpec.call: adapter {e.name!r} {e.label(pos)} must be sharded P({self.axis!r}) "
-                        f"over the mesh, got {value.sharding}."
-                    )
-                value = self._sharded(np.asarray(value))
-        else:
-            value = self._sharded(np.asarray(value))
-        return value, ("sharded", (tuple(value.shape), str(value.dtype)), pos)
-
-    def _plain(self, e: _Entry, where: tuple, leaf: Any) -> tuple[Any, tuple]:
-        """An untransformed leaf: per-device block, replicated array, or static constant."""
-        if isinstance(leaf, jax.core.Tracer):
-            # Under jit / grad only Explicit axes are visible in the type; on an Auto mesh a
-            # traced per-device array cannot be told from a replicated one.
-            # Storage-shaped traced arrays are taken as per-device blocks.
-            spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", None)
-            typed = bool(spec) and leaf.ndim > 0 and spec[0] == self.axis
-            role = "sharded" if typed or (leaf.ndim > 0 and leaf.shape[0] in self._storage_rows()) else "replicated"
-            return leaf, (role, (tuple(leaf.shape), str(leaf.dtype)), None)
-        if isinstance(leaf, jax.Array):
-            sh = leaf.sharding
-            aval = (tuple(leaf.shape), str(leaf.dtype))
-            if isinstance(sh, NamedSharding) and sh.spec and sh.spec[0] == self.axis and leaf.ndim:
-                if tuple(sh.mesh.devices.flat) != tuple(self.mesh.devices.flat):
-                    raise ValueError(self._where(e, where) + " is sharded over another mesh; place it on "
-                                     "this CompiledSpec's mesh.")
-                return leaf, ("sharded", aval, None)
-            if sh.is_fully_replicated:
-                return leaf, ("replicated", aval, None)
-            raise ValueError(
-                self._where(e, where) + f" has sharding {sh}; pass per-device blocks sharded "
-                f"P({self.axis!r}) over the mesh, or a replicated array (P())."
-            )
-        if isinstance(leaf, (np.ndarray, np.generic)):
-            x = place(np.asarray(leaf), NamedSharding(self.mesh, P()))
-            return x, ("replicated", (tuple(x.shape), str(x.dtype)), None)
-        if isinstance(leaf, _STATIC_TYPES):
-            return leaf, ("static", type(leaf).__name__, leaf)
-        raise TypeError(
-            self._where(e, where) + f" is {type(leaf).__name__}; pass arrays, Python scalars or "
-            "pytrees of them."
-        )
-
-    def _storage_rows(self) -> tuple[int, ...]:
-        """Global row counts of this plan's storage: owned and halo, or sharded with 0 or 1 pad rows."""
-        t, d = self.tables, self.tables.n_devices
-        if isinstance(t, HaloTables):
-            return (d * t.owned_capacity, d * t.halo_rows)
-        return (d * t.owned_capacity, d * (t.owned_capacity + 1))
-
-    @staticmethod
-    def _where(e: _Entry, where: tuple) -> str:
-        what = f"argument {where[1]}" if where[0] == "a" else f"keyword {where[1]!r}"
-        return f"CompiledSpec.call: adapter {e.name!r} {what}"
-
-    # ------------------------------------------------------------- programs
-
-    def _build(self, e: _Entry, treedef: Any, roles: list) -> Callable[..., Any]:
-        """jit(shard_map(body)) for one adapter and argument layout."""
-        axis, mesh = self.axis, self.mesh
-        (keys, parts) = treedef
-        shape_info: dict[str, Any] = {}
-
-        def body(t: Tables, *dyn: Any) -> Any:
-            it = iter(dyn)
-            flat = [next(it) if r[0] != "static" else r[2] for r in roles]
-            pos_iter = iter(flat)
-            values = [jax.tree_util.tree_unflatten(p, [next(pos_iter) for _ in range(p.num_leaves)]) for p in parts]
-            args = [v for k, v in zip(keys, values) if k[0] == "a"]
-            kwargs = {k[1]: v for k, v in zip(keys, values) if k[0] == "k"}
-            for k, v in zip(keys, values):
-                pos = k[1] if k[0] == "a" else (e.params.index(k[1]) if e.params and k[1] in e.params else None)
-                tr = e.args.get(pos) if pos is not None else None
-                if tr is None:
-                    continue
-                v = self._arg_transform(tr, v, t, pos in e.positions)
-                if k[0] == "a":
-                    args[k[1]] = v
-                else:
-                    kwargs[k[1]] = v
-            result = e.kernel(*args, **kwargs)
-            single = not isinstance(result, (tuple, list))
-            outs = [result] if single else list(result)
-            if beyond := sorted(p for p in e.outs if p >= len(outs)):
-                raise ValueError(
-                    f"CompiledSpec.call: adapter {e.name!r} declares {type(e.outs[beyond[0]]).__name__}() on "
-                    f"output {beyond[0]}, but its kernel returned {len(outs)} output(s)."
-                )
-            shape_info["single"] = single
-            res = []
-            for i, o in enumerate(outs):
-                if not hasattr(o, "shape"):
-                    raise TypeError(
-                        f"CompiledSpec.call: adapter {e.name!r} output {i} is {type(o).__name__}, expected an array."
-                    )
-                res.append(self._out_transform(e, i, e.outs.get(i), o, t))
-            return tuple(res)
-
-        in_specs = (self.tables.specs(axis),) + tuple(
-            P() if r[0] == "replicated" else P(axis) for r in roles if r[0] != "static")
-
-        def probe(t: Tables, *dyn: Any) -> Any:
-            return tuple(o[None] for o in body(t, *dyn))
-
-        probe_fn = jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=P(axis), check_vma=True)
-        ghost_args = [jax.ShapeDtypeStruct(r[1][0], r[1][1]) for r in roles if r[0] != "static"]
-        avals = jax.eval_shape(probe_fn, self.tables, *ghost_args)
-        out_specs = []
-        for i, a in enumerate(avals):
-            tr = e.outs.get(i)
-            if isinstance(tr, AllReduceSum) and not self.per_device_reductions:
-                out_specs.append(P())
-            elif len(a.shape) < 2 and not isinstance(tr, AllReduceSum):
-                raise ValueError(
-                    f"CompiledSpec.call: adapter {e.name!r} output {i} is a scalar on each device; declare "
-                    f"AllReduceSum() on output {i} to sum it over devices, or return per-row values."
-                )
-            else:
-                out_specs.append(P(axis))
-        single = shape_info["single"]
-        prog = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=tuple(out_specs), check_vma=True)
-        jitted = jax.jit(prog)
-        return lambda t, *dyn: (jitted(t, *dyn), single)
-
-    def _arg_transform(self, tr: Any, v: jax.Array, t: Tables, positions: bool) -> jax.Array:
-        if isinstance(tr, GatherInputs):
-            return C.halo_forward(v, t, self.axis, positions=positions)
-        if isinstance(tr, SliceOwned):
-            return C.slice_owned(v, t)
-        return C.gather_full(v, t, self.axis)
-
-    def _out_transform(self, e: _Entry, i: int, tr: Any, o: jax.Array, t: Tables) -> jax.Array:
-        if tr is None:
-            return o
-        if isinstance(tr, ScatterOutputs):
-            if o.ndim == 0 or o.shape[0] != t.halo_rows:
-                raise ValueError(
-                    f"CompiledSpec.call: adapter {e.name!r} output {i} (ScatterOutputs) must have halo_rows="
-                    f"{t.halo_rows} rows per device (the kernel's halo block), got shape {tuple(o.shape)}."
-                )
-            return C.halo_scatter(o, t, self.axis)
-        if isinstance(tr, AllReduceSum):
-            if not self.per_device_reductions:
-                return C.all_reduce_sum(o, self.axis)
-            y = C.all_reduce_sum(o, self.axis, replicated_consumer=tr.replicated_consumer)
-            if not tr.replicated_consumer:
-                y = jax.lax.pcast(y, self.axis, to="varying")
-            return y[None]
-        return C.slice_outputs_owned(o, t, self.axis)
+# ------------------------------------------------------------------ pytree
 
 
 class _Static:
@@ -479,20 +265,6 @@ def _unflatten(static: _Static, children: tuple[Tables]) -> CompiledSpec:
 
 
 jax.tree_util.register_pytree_node(CompiledSpec, _flatten, _unflatten)
-
-
-def _refuse_explicit(leaves: list, e: _Entry) -> None:
-    """A clear error for arrays typed over an `Explicit` mesh axis: the programs run on an `Auto` mesh."""
-    for i, x in enumerate(leaves):
-        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-        if mesh is not None and AxisType.Explicit in tuple(getattr(mesh, "axis_types", ())):
-            raise ValueError(
-                f"CompiledSpec.call({e.name}): argument leaf {i} is sharded over an Explicit mesh axis "
-                f"({dict(mesh.shape)}), but the compiled programs run on the Auto-typed copy `cs.mesh` "
-                "(compile converts a jax.make_mesh mesh); place inputs with cs.owned()/cs.halo(), or build "
-                "the mesh with jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,)) and call "
-                "outside jax.set_mesh of an Explicit mesh."
-            )
 
 
 # ------------------------------------------------------------------- compile

@@ -1,7 +1,7 @@
 """A spec's adapters, resolved for `compile`: kernel slot, transforms checked against the storage kind, positions.
 
 Everything here is worked out once per `compile` call, before any program is
-built; `CompiledSpec` (`compile.py`) only reads the resulting `_Entry` records.
+built; `CompiledSpec` (`compile.py`, `arguments.py`, `programs.py`) only reads the resulting `_Entry` records.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from nvalchemi_jaxbridge.kernels import TorchOpKernel
-from nvalchemi_jaxbridge.kernels import torch_op
+from nvalchemi_jaxbridge.kernels import callback_path, torch_op
 
 NS = "ktcp"
 SEEN: list[tuple[int, bool]] = []  # (thread id, torch grad mode) as the probe op saw them
@@ -169,7 +169,7 @@ def test_xla_stream_is_entered_and_everything_restored(data, n_dev):
 
     mp = pytest.MonkeyPatch()
     try:
-        mp.setattr(torch_op, "_XLA_STREAMS", {})
+        mp.setattr(callback_path, "_XLA_STREAMS", {})
         mp.setattr(torch.cuda, "init", lambda: None)
         mp.setattr(torch.cuda, "ExternalStream", ExternalStream)
         mp.setattr(torch._C, "_cuda_getDevice", lambda: fake.device, raising=False)

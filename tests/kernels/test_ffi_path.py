@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 import nvalchemi_jaxbridge.demo.torch_ops  # noqa: F401 - registers jaxbridge_demo::
 from nvalchemi_jaxbridge.demo import argon_fcc
 from nvalchemi_jaxbridge.kernels import KernelError, TorchOpKernel
-from nvalchemi_jaxbridge.kernels import torch_op
+from nvalchemi_jaxbridge.kernels import ffi_path, torch_op
 from nvalchemi_jaxbridge.kernels.ffi import build, plans, target
 
 NS = "ktffi"
@@ -496,7 +496,7 @@ def test_build_failure_warns_once_under_auto_and_raises_under_ffi(monkeypatch):
         raise err
 
     monkeypatch.setattr(target, "load", broken)
-    monkeypatch.setattr(torch_op, "_FFI_WARNED", [])
+    monkeypatch.setattr(ffi_path, "_FFI_WARNED", [])
     x = np.arange(3.0)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

@@ -1,0 +1,223 @@
+"""The `buffer_callback` call path: the op called from Python on DLPack views of XLA's buffers.
+
+`forward` is the op's forward as a `buffer_callback`: the op reads XLA's input
+buffers and its results are written into XLA's output buffers (a mutated
+argument's output buffer is aliased to its input, so the op writes straight into
+JAX's result). `backward_body` is the callback of the backward: the op again
+under torch autograd on the saved inputs, then `torch.autograd.grad` with the
+cotangents. On a GPU the op's work is queued on XLA's stream (`ctx.stream`) and
+the buffers' device. A failing callback logs its error at once
+(`_report_failure`) before raising it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import torch
+from jax.experimental.buffer_callback import buffer_callback
+
+from .dlpack import buffer_to_torch
+from .op_binding import OpBinding, _Call
+from .shape_probe import _is_inexact
+
+_log = logging.getLogger(__name__)
+
+_KDL_CUDA = 2
+_KDL_ROCM = 10
+
+
+# ----------------------------------------------------------------------------- streams
+#
+# The callbacks run once per kernel call, so their host work is the bridge's per-call
+# overhead (issue 7). On a GPU torch must queue the op on XLA's stream (`ctx.stream`)
+# and on the buffers' device; the previous stream and device are restored after. The
+# ExternalStream for each (stream pointer, device) is built once and its ids cached,
+# and the stream is switched with torch's C setters instead of the nested
+# `torch.cuda.device` / `torch.cuda.stream` context managers (which build Stream
+# objects and query the current stream several times per call).
+
+_XLA_STREAMS: dict[tuple[int, int], tuple[int, int, int]] = {}
+_STREAM_OBJECTS: list[Any] = []  # keeps each cached ExternalStream alive with its ids
+
+
+def _xla_stream_ids(ptr: int, index: int) -> tuple[int, int, int]:
+    """torch's (stream_id, device_index, device_type) for XLA's stream `ptr` on GPU `index`."""
+    ids = _XLA_STREAMS.get((ptr, index))
+    if ids is None:
+        torch.cuda.init()
+        s = torch.cuda.ExternalStream(ptr, device=torch.device("cuda", index))
+        _STREAM_OBJECTS.append(s)
+        ids = _XLA_STREAMS[(ptr, index)] = (s.stream_id, s.device_index, s.device_type)
+    return ids
+
+
+def _enter_xla_stream(ctx: Any, buf: Any) -> tuple[int, tuple[int, int, int]] | None:
+    """Make XLA's stream (and its device) torch's current one for a GPU buffer.
+
+    Returns what `_leave_xla_stream` restores (previous device, previous stream of
+    the buffer's device), or None for a CPU buffer (nothing to do).
+    """
+    kind, index = buf.__dlpack_device__()
+    if kind != _KDL_CUDA and kind != _KDL_ROCM:
+        return None
+    sid, dev, dtype = _xla_stream_ids(ctx.stream, index)
+    prev_device = torch._C._cuda_getDevice()
+    prev_stream = torch._C._cuda_getCurrentStream(dev)
+    torch._C._cuda_setStream(stream_id=sid, device_index=dev, device_type=dtype)  # also makes `dev` current
+    return prev_device, prev_stream
+
+
+def _leave_xla_stream(saved: tuple[int, tuple[int, int, int]]) -> None:
+    """Restore the stream and device that `_enter_xla_stream` replaced."""
+    prev_device, (sid, dev, dtype) = saved
+    torch._C._cuda_setStream(stream_id=sid, device_index=dev, device_type=dtype)
+    if prev_device != dev:
+        torch._C._cuda_setDevice(prev_device)
+
+
+# ----------------------------------------------------------------------------- the calls
+
+
+def _op_caller(
+    binding: OpBinding, statics: tuple[Any, ...], array_pos: tuple[int, ...]
+) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """`call(tensors)`: the op on `tensors` (one per array, in call order) and the statics, as a tuple of its returns.
+
+    Everything that depends only on the schema and the static values (the
+    positional and keyword templates, where each tensor goes) is worked out
+    here once, so a call only fills the tensor slots.
+    """
+    pos0: list[Any] = []
+    kw0: dict[str, Any] = {}
+    slot: dict[int, int | str] = {}
+    for i, p in enumerate(binding.params):
+        if p.kwarg_only:
+            kw0[p.name], slot[i] = statics[i], p.name
+        else:
+            slot[i] = len(pos0)
+            pos0.append(statics[i])
+    pos_fill = tuple((k, slot[i]) for k, i in enumerate(array_pos) if not binding.params[i].kwarg_only)
+    kw_fill = tuple((k, slot[i]) for k, i in enumerate(array_pos) if binding.params[i].kwarg_only)
+    op, n_ret = binding.op, binding.n_returns
+
+    def call(ts: Sequence[Any]) -> tuple[Any, ...]:
+        args = pos0.copy()
+        for k, s in pos_fill:
+            args[s] = ts[k]
+        if kw0:
+            kw = kw0.copy()
+            for k, s in kw_fill:
+                kw[s] = ts[k]
+            res = op(*args, **kw)
+        else:
+            res = op(*args)
+        return (res,) if n_ret == 1 else () if n_ret == 0 else tuple(res)
+
+    return call
+
+
+def forward(binding: OpBinding, statics, array_pos, mutated_pos, specs) -> Callable[..., tuple[jax.Array, ...]]:
+    """The op's forward as a `buffer_callback` of the arrays, returning the results `specs`."""
+    n_ret = binding.n_returns
+    out_of = {i: n_ret + j for j, i in enumerate(mutated_pos)}
+    aliases = {array_pos.index(i): out_of[i] for i in mutated_pos}
+    # per array argument: the output buffer it is (a mutated argument, aliased to
+    # its input by XLA, so the op writes straight into JAX's result), or None
+    source = tuple(out_of.get(i) for i in array_pos)
+    call = _op_caller(binding, statics, array_pos)
+    set_grad, grad_enabled = torch._C._set_grad_enabled, torch.is_grad_enabled
+    name = binding.name
+
+    def callback(ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
+        saved = _enter_xla_stream(ctx, outs[0])
+        grad = grad_enabled()
+        set_grad(False)
+        try:
+            t_out = [buffer_to_torch(b) for b in outs]
+            res = call([buffer_to_torch(ins[k]) if j is None else t_out[j] for k, j in enumerate(source)])
+            for o, r in zip(t_out, res):  # returns only; mutated arguments were written in place
+                if o.data_ptr() != r.data_ptr() or o.numel() == 0:
+                    o.copy_(r)  # a functional op allocates its result: one device copy
+        except BaseException as e:
+            _report_failure(name, "call", outs[0], e)
+            raise
+        finally:
+            set_grad(grad)
+            if saved is not None:
+                _leave_xla_stream(saved)
+
+    return buffer_callback(callback, specs, input_output_aliases=aliases or None)
+
+
+def backward_body(binding: OpBinding, call: _Call, dtypes: Sequence[Any], ct_idx: tuple[int, ...]) -> Callable[..., Any]:
+    """Callback computing the input cotangents of the inexact inputs."""
+    array_pos = call.array_pos
+    n_arrays = len(array_pos)
+    # per array argument: (mutated by the op, differentiated)
+    kinds = tuple((binding.params[i].mutable, _is_inexact(d)) for i, d in zip(array_pos, dtypes))
+    mutated_k = tuple(k for k, (mutable, _) in enumerate(kinds) if mutable)
+    # per incoming cotangent: (index into returns + mutated arguments, position in `ins`)
+    picks = tuple((call.selected[j], n_arrays + c) for c, j in enumerate(ct_idx))
+    run_op = _op_caller(binding, call.statics, array_pos)
+    set_grad, grad_enabled = torch._C._set_grad_enabled, torch.is_grad_enabled
+    name = binding.name
+
+    def callback(ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
+        saved = _enter_xla_stream(ctx, outs[0])
+        grad = grad_enabled()
+        set_grad(True)
+        try:
+            ts, leaves = [], []
+            for k, (mutable, differentiated) in enumerate(kinds):
+                t = buffer_to_torch(ins[k])
+                if mutable:
+                    t = t.clone()  # the op writes into it; never into JAX's buffer
+                if differentiated:
+                    leaves.append(t.requires_grad_(True))
+                    if mutable:
+                        t = t.clone()  # in-place writes into a leaf are not allowed
+                ts.append(t)
+            results = run_op(ts) + tuple(ts[k] for k in mutated_k)
+            outs_g, cts_g = [], []
+            for r_idx, c in picks:
+                r = results[r_idx]
+                if r.requires_grad:
+                    outs_g.append(r)
+                    cts_g.append(buffer_to_torch(ins[c]))
+            grads: Sequence[Any] = [None] * len(leaves)
+            if outs_g:
+                grads = torch.autograd.grad(outs_g, leaves, cts_g, allow_unused=True)
+            for b, g in zip(outs, grads):
+                o = buffer_to_torch(b)
+                if g is None:
+                    o.zero_()
+                else:
+                    o.copy_(g)
+        except BaseException as e:
+            _report_failure(name, "backward call", outs[0], e)
+            raise
+        finally:
+            set_grad(grad)
+            if saved is not None:
+                _leave_xla_stream(saved)
+
+    return callback
+
+
+def _report_failure(op: str, what: str, buf: Any, e: BaseException) -> None:
+    """Log a failed callback's error at once (level ERROR: shown without logging set up), naming the op and device.
+
+    The exception is raised too, but when the program has collectives the other
+    devices wait for this one in a rendezvous, and XLA may end the process at its
+    timeout before the error reaches Python: this line is then all the user sees.
+    """
+    kind, index = buf.__dlpack_device__()
+    device = f"cuda:{index}" if kind in (_KDL_CUDA, _KDL_ROCM) else "cpu"
+    _log.error(
+        "nvalchemi_jaxbridge: on device %s: torch op %s failed inside its %s (callback path): %s: %s\n(also raised as a JAX "
+        "error; if other devices wait for this one in a collective, XLA may stop the process before that "
+        "error reaches Python)", device, op, what, type(e).__name__, e)
