@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..layout import HaloPlan
+from ..layout.structure import checked_structure
 from ..lower import collectives as C
 from ..lower import compile as lower_compile
 from ..lower import exchange as X
@@ -120,15 +121,7 @@ def build_layout(wrapper: MessagePassingWrapper, exchange: str, positions: Any, 
     and message offsets to keep (grown where they no longer fit, as `HaloPlan.rebuild` does),
     so that programs compiled for it run on the new layout (e.g. after the cell changed).
     """
-    pos = np.asarray(positions, dtype=np.float64)
-    numbers = np.asarray(numbers).reshape(-1)
-    if pos.ndim != 2 or pos.shape[1] != 3 or len(numbers) != len(pos):
-        raise ValueError(
-            f"{wrapper.name}: positions must be (N, 3) with one atomic number each; got positions {pos.shape} "
-            f"and {len(numbers)} numbers."
-        )
-    periodic = tuple(bool(p) for p in np.broadcast_to(np.asarray(pbc, dtype=bool), (3,)))
-    cell = np.asarray(cell, dtype=np.float64).reshape(3, 3)
+    pos, numbers, cell, periodic = checked_structure(positions, numbers, cell, pbc, wrapper.name)
     kw: dict[str, Any] = {}
     if keep is not None:
         p = keep[0]

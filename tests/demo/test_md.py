@@ -30,6 +30,7 @@ def argon():
     return s, fn, state, jnp.asarray(s.masses)
 
 
+@pytest.mark.slow
 def test_nve_energy_conservation_and_reversibility(argon):
     s, fn, state, m = argon
     run = jax.jit(lambda st: md.run_verlet(fn, st, m, 5.0, 200))
@@ -43,6 +44,7 @@ def test_nve_energy_conservation_and_reversibility(argon):
     np.testing.assert_allclose(back.positions, state.positions, atol=1e-8)
 
 
+@pytest.mark.slow
 def test_langevin_reaches_target_temperature(argon):
     s, fn, state, m = argon
     # Without a thermostat the 60 K crystal equipartitions to ~30 K; the bath must heat it to 80 K.

@@ -71,6 +71,7 @@ def _check(impl, kind, dtype, n, box, seed, cutoff):
 gas = dict(n=st.integers(2, 14), box=st.floats(7.0, 11.0), seed=st.integers(0, 10**6))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lj", "dsf"])
 @pytest.mark.parametrize("impl", ["jax", "torch"])
 @hypothesis.settings(max_examples=12)

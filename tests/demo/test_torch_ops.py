@@ -27,6 +27,7 @@ def _cluster(n=5, seed=0, dtype=torch.float64):
     return torch.tensor(np.array(pts), dtype=dtype)
 
 
+@pytest.mark.slow
 def test_import_isolation_and_lazy_registration():
     code = (
         "import sys, nvalchemi_jaxbridge, nvalchemi_jaxbridge.demo\n"

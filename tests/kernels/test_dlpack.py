@@ -136,6 +136,7 @@ def test_sharded_arrays_go_shard_by_shard():
         torch_shards_to_jax(shards[:3], sharding, x.shape)
 
 
+@pytest.mark.slow
 def test_int64_with_x64_off_is_an_error_not_a_cut():
     # conftest turns x64 on for the whole session, so check the off state in a fresh process
     code = textwrap.dedent(

@@ -615,6 +615,7 @@ def test_real_build_is_cached():
     assert build.build(cfg) == ext.path and ext.path.stat().st_mtime_ns == mtime
 
 
+@pytest.mark.slow
 def test_other_process_reuses_the_build():
     ext = target.load()
     # only the compile is refused: config() asks the compiler its version first

@@ -218,6 +218,7 @@ def _rows(plan: HaloPlan, positions: np.ndarray) -> list[list[tuple]]:
             for d in range(plan.n_devices)]
 
 
+@pytest.mark.slow
 @hypothesis.given(image_variants())
 def test_any_periodic_image_gives_the_wrapped_plan(system):
     cell, periodic, cutoff, n_devices, grid, variants = system

@@ -77,6 +77,7 @@ def programs(d):
     }
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=15)  # each example compiles its own programs
 @hypothesis.given(d=st.sampled_from([1, 2, 3, 4, 8]), seed=st.integers(0, 2**31 - 1))
 def test_block_tables_match_reference_and_transpose(d, seed):

@@ -144,6 +144,7 @@ def programs(d):
     return mesh, fwd, pos, rev, scat
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=15)  # each example compiles its own programs
 @hypothesis.given(d=st.integers(1, 8), seed=st.integers(0, 2**31 - 1))
 def test_random_tables_match_reference_and_are_adjoint(d, seed):

@@ -265,6 +265,7 @@ def plan_programs(d, static_key):
 @hypothesis.settings(max_examples=12)
 @hypothesis.given(d=st.sampled_from([1, 2, 4, 8]), n=st.integers(20, 60), periodic=st.booleans(),
                   seed=st.integers(0, 2**31 - 1))
+@pytest.mark.slow
 def test_real_halo_plans_match_closed_forms_and_are_adjoint(d, n, periodic, seed):
     from nvalchemi_jaxbridge.layout import HaloPlan
 

@@ -53,6 +53,7 @@ def test_replicated_results_are_marked_replicated_and_reductions_drop_metadata(p
     torch.testing.assert_close(e.to_local(), torch.tensor(pos)[:, :1].sum(0))
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=4)
 @hypothesis.given(n=st.integers(4, 14), seed=st.integers(0, 99), replicated=st.booleans())
 def test_one_process_model_matches_numpy_reference(n, seed, replicated):

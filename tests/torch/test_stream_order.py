@@ -35,6 +35,7 @@ def _uses(storage: torch.UntypedStorage) -> int:
     return torch._C._storage_Use_Count(storage._cdata)
 
 
+@pytest.mark.slow
 def test_jax_holds_a_torch_reference_to_an_imported_block():
     t = torch.arange(64, dtype=torch.float64)
     s = t.untyped_storage()

@@ -40,6 +40,7 @@ def _round_trip(ctx: F.PlanContext, x: torch.Tensor, w: torch.Tensor) -> tuple[t
 @settings(max_examples=8)  # every example compiles its own programs (~1 s each)
 @given(n=st.integers(6, 18), seed=st.integers(0, 10**6), headroom=st.sampled_from([1.0, 1.6]),
        feat=st.sampled_from([1, 3]), dtype=st.sampled_from([torch.float32, torch.float64]))
+@pytest.mark.slow
 def test_round_trip_and_gradient_match_the_closed_form(n, seed, headroom, feat, dtype):
     plan = _plan(n, seed, headroom)
     ctx = F.context_for(plan)
