@@ -12,8 +12,7 @@ MACE_FILE = "JAXBRIDGE_TEST_MACE_FILE"  # a torch-saved copy of the test MACE, f
 
 @functools.cache
 def wrapper(name: str):
-    """`mpnn` (the project's MPNN, cutoff 4 Å), `mace` (random MACE, 2 layers, r_max 5 Å, correlation 3) or
-    `mace-short` (the same MACE with r_max 3 Å: first neighbour shell only, for the costly deep halo)."""
+    """`mpnn` (the project's MPNN, cutoff 4 Å) or `mace` (random MACE, 2 layers, r_max 5 Å, correlation 3)."""
     if name == "mpnn":
         from nvalchemi_jaxbridge.mlip import MPNN, MPNNWrapper
 
@@ -27,10 +26,6 @@ def wrapper(name: str):
 
             return MACEWrapper(torch.load(path, weights_only=False))
         return MACEWrapper(random_mace([29, 79]))
-    if name == "mace-short":
-        from nvalchemi_jaxbridge.mlip.mace import MACEWrapper, random_mace
-
-        return MACEWrapper(random_mace([29, 79], r_max=3.0))
     raise KeyError(name)
 
 
