@@ -23,9 +23,9 @@ def _single_device_force(system):
         jax_potentials.lj_energy_forces, system.cell, system.periodic, p.cutoff, epsilon=p.epsilon, sigma=p.sigma)
 
 
-def test_energy_drift_matches_single_device_over_500_steps_and_no_atom_is_lost():
+def test_energy_drift_matches_single_device_over_1000_steps_and_no_atom_is_lost():
     # 32 argon atoms on 2 devices, JAX kernel; a thin skin forces many rebuilds (each asserts every atom).
-    cfg = run_config.RunConfig(kernel="jax", cells=2, devices=2, steps=500, dt=5.0, temperature=60.0, skin=0.8,
+    cfg = run_config.RunConfig(kernel="jax", cells=2, devices=2, steps=1000, dt=5.0, temperature=60.0, skin=0.8,
                              check_every=10)
     report = simulate.run(cfg)
     assert len(report.rebuilds) >= 5 and report.n_atoms == 32
@@ -36,7 +36,7 @@ def test_energy_drift_matches_single_device_over_500_steps_and_no_atom_is_lost()
     masses = jnp.asarray(system.masses)
     state = md.init_state(force, jnp.asarray(system.positions), jnp.asarray(system.velocities))
     e0 = float(state.energy + md.kinetic_energy(state.velocities, masses))
-    _, total = jax.jit(md.run_verlet, static_argnums=(0, 3, 4))(force, state, masses, 5.0, 500)
+    _, total = jax.jit(md.run_verlet, static_argnums=(0, 3, 4))(force, state, masses, 5.0, 1000)
     single = np.concatenate([[e0], np.asarray(total)]) / 32
 
     dist = np.asarray(report.energy_per_atom_eV)
