@@ -81,25 +81,6 @@ def model_config(a: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------ native
 
 
-def mace_batch(model: Any, atoms: Any, device: Any, dtype: Any) -> dict[str, Any]:
-    """MACE's own input dict for `atoms` on `device` (neighbour list by MACE's data pipeline)."""
-    import torch
-    from mace import data as mdata
-    from mace.tools import torch_geometric, utils
-
-    z_table = utils.AtomicNumberTable([int(z) for z in model.atomic_numbers.tolist()])
-    config = mdata.config_from_atoms(atoms)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # AtomicData takes positions and cell in the default dtype
-    try:
-        ad = mdata.AtomicData.from_config(config, z_table=z_table, cutoff=float(model.r_max))
-    finally:
-        torch.set_default_dtype(default)
-    batch = torch_geometric.batch.Batch.from_data_list([ad]).to_dict()
-    return {k: (v.to(device=device, dtype=dtype) if torch.is_floating_point(v) else v.to(device))
-            if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
 def run_native(model: Any, batch: dict[str, Any], dev: Any, a: Any, breakdown: bool) -> dict[str, Any]:
     """Energy + forces through MACE's forward: timings, results, peak memory."""
     import torch
@@ -329,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from nvalchemi_jaxbridge.mlip import DistributedMLIP
-    from nvalchemi_jaxbridge.mlip.mace import MACEWrapper, random_mace
+    from nvalchemi_jaxbridge.mlip.mace import MACEWrapper, mace_input, random_mace
     from tests.mlip._reference import alloy
 
     modes = [m for m in a.modes.split(",") if m]
@@ -442,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         if mode == "native":
                             t0 = time.perf_counter()
-                            batch = mace_batch(model, atoms, dev, tdt)
+                            batch = mace_input(model, atoms, dtype=tdt, device=dev)
                             sync(dev)
                             t_data = time.perf_counter() - t0
                             r = run_native(model, batch, dev, a, breakdown)

@@ -246,21 +246,11 @@ def _mace_reference(model: Any, positions: np.ndarray, numbers: np.ndarray, cell
                     ) -> dict[str, Any]:
     """MACE's own forward on the whole system (its own data pipeline and neighbour list)."""
     import ase
-    import torch
-    from mace import data as mdata
-    from mace.tools import torch_geometric, utils
+
+    from ..mlip.mace import mace_input
 
     atoms = ase.Atoms(numbers=np.asarray(numbers), positions=np.asarray(positions), cell=np.asarray(cell), pbc=pbc)
-    z_table = utils.AtomicNumberTable([int(z) for z in model.atomic_numbers.tolist()])
-    dtype = next(model.parameters()).dtype
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # AtomicData takes positions and cell in the default dtype
-    try:
-        ad = mdata.AtomicData.from_config(mdata.config_from_atoms(atoms), z_table=z_table, cutoff=float(model.r_max))
-    finally:
-        torch.set_default_dtype(default)
-    batch = torch_geometric.batch.Batch.from_data_list([ad]).to_dict()
-    batch = {k: (v.to(dtype) if torch.is_floating_point(v) else v) for k, v in batch.items()}
+    batch = mace_input(model, atoms)
     out = model(batch, training=False, compute_force=True, compute_stress=True)
     return {"energy": float(out["energy"][0].detach()), "forces": out["forces"].detach().numpy(),
             "stress": out["stress"][0].detach().numpy(), "atomic_energies": out["node_energy"].detach().numpy(),

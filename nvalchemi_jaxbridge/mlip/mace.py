@@ -112,3 +112,28 @@ class MACEWrapper(MessagePassingWrapper):
         e0 = m.atomic_energies_fn(g.node_attrs)[rows, heads]
         inter = m.scale_shift(layer_energy, heads) if hasattr(m, "scale_shift") else layer_energy
         return e0.to(layer_energy.dtype) + inter
+
+
+def mace_input(model: torch.nn.Module, atoms: Any, *, dtype: torch.dtype | None = None,
+               device: Any = None) -> dict[str, Any]:
+    """MACE's own input dict for an ASE `atoms` (its data pipeline and neighbour list at `model.r_max`).
+
+    Floating tensors come in `dtype` (default: the model's) on `device` (default: the CPU), as
+    `model(batch)` takes them; `AtomicData` reads positions and cell in torch's default dtype,
+    so that is set to `dtype` while it runs.
+    """
+    _mace()
+    from mace import data as mdata
+    from mace.tools import torch_geometric, utils
+
+    dtype = next(model.parameters()).dtype if dtype is None else dtype
+    z_table = utils.AtomicNumberTable([int(z) for z in model.atomic_numbers.tolist()])
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        ad = mdata.AtomicData.from_config(mdata.config_from_atoms(atoms), z_table=z_table, cutoff=float(model.r_max))
+    finally:
+        torch.set_default_dtype(default)
+    batch = torch_geometric.batch.Batch.from_data_list([ad]).to_dict()
+    return {k: (v.to(device=device, dtype=dtype) if torch.is_floating_point(v) else v.to(device))
+            if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

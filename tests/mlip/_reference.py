@@ -89,20 +89,9 @@ def finite_difference_stress(energy_of_atoms, atoms, h=1e-4):
 
 def mace_reference(model, atoms):
     """MACE's own forward on the whole system (its own neighbour list): energy, forces, stress, node energies."""
-    from mace import data as mdata
-    from mace.tools import torch_geometric, utils
+    from nvalchemi_jaxbridge.mlip.mace import mace_input  # MACE's data pipeline only; no bridge code
 
-    z_table = utils.AtomicNumberTable([int(z) for z in model.atomic_numbers.tolist()])
-    config = mdata.config_from_atoms(atoms)
-    dtype = next(model.parameters()).dtype
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # AtomicData takes positions and cell in the default dtype
-    try:
-        ad = mdata.AtomicData.from_config(config, z_table=z_table, cutoff=float(model.r_max))
-    finally:
-        torch.set_default_dtype(default)
-    batch = torch_geometric.batch.Batch.from_data_list([ad]).to_dict()
-    batch = {k: (v.to(dtype) if torch.is_floating_point(v) else v) for k, v in batch.items()}
+    batch = mace_input(model, atoms)
     out = model(batch, training=False, compute_force=True, compute_stress=True)
     # MACE divides by the volume of its own cell, whose open axes it replaces by a long vector;
     # rescale to the structure's cell (ASE's convention), which the bridge uses.

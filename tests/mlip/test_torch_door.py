@@ -76,22 +76,12 @@ def test_shard_tensor_positions_into_an_unadapted_mace_raise():
     # Measured before this check: -850.81 eV against -849.26 eV, no error. Now the first gather of
     # halo positions by an index tensor inside MACE is refused, naming the op and the fix.
     pytest.importorskip("mace", reason="needs mace-torch: pip install 'nvalchemi_jaxbridge[mlip]'")
-    import torch
-    from mace import data as mdata
-    from mace.tools import torch_geometric, utils
-
     from nvalchemi_jaxbridge.layout import HaloPlan
+    from nvalchemi_jaxbridge.mlip.mace import mace_input
     from nvalchemi_jaxbridge.torch import ShardTensor, ShardTensorMeaningError
 
     w, atoms = cases.wrapper("mace"), cases.structure("small")
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        ad = mdata.AtomicData.from_config(mdata.config_from_atoms(atoms),
-                                          z_table=utils.AtomicNumberTable([29, 79]), cutoff=5.0)
-    finally:
-        torch.set_default_dtype(default)
-    batch = torch_geometric.batch.Batch.from_data_list([ad]).to_dict()
+    batch = mace_input(w.model, atoms)
     plan = HaloPlan.build(atoms.positions, atoms.cell.array, cutoff=5.0, n_devices=1)
     batch["positions"] = ShardTensor.from_global(atoms.positions, plan, positions=True)
     with pytest.raises(ShardTensorMeaningError, match="mlip"):
