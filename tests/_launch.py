@@ -23,13 +23,20 @@ def run_ranks(worker: pathlib.Path, world: int, out_dir: pathlib.Path, args: Seq
 
     A non-zero exit fails the test with the end of the launcher's log.
     """
+    code, log = _launch(worker, world, out_dir, args, timeout_s, env)
+    if code != 0:
+        pytest.fail(f"{world}-process run exited with {code}; log:\n{log}")
+    return read_ranks(out_dir, world, result)
+
+
+def _launch(worker: pathlib.Path, world: int, out_dir: pathlib.Path, args: Sequence[str], timeout_s: float,
+            env: Mapping[str, str] | None) -> tuple[int, str]:
+    """(exit code, the end of the launcher's log) of `worker OUT_DIR *args` on `world` CPU processes."""
     full_env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), **(env or {}))
     full_env.pop("XLA_FLAGS", None)
     log = io.StringIO()
     code = launch([str(worker), str(out_dir), *args], world, timeout_s=timeout_s, env=full_env, out=log)
-    if code != 0:
-        pytest.fail(f"{world}-process run exited with {code}; log:\n{log.getvalue()[-6000:]}")
-    return [json.loads((out_dir / result.format(rank=r)).read_text()) for r in range(world)]
+    return code, log.getvalue()[-6000:]
 
 
 def shared_run(worker: pathlib.Path, world: int, tmp_path_factory, args: Sequence[str] = (), *,
@@ -46,12 +53,8 @@ def shared_run(worker: pathlib.Path, world: int, tmp_path_factory, args: Sequenc
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "DONE").exists() and not (out / "FAILED").exists():
             out.mkdir(exist_ok=True)
-            full_env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), **(env or {}))
-            full_env.pop("XLA_FLAGS", None)
-            log = io.StringIO()
-            code = launch([str(worker), str(out), *args], world, timeout_s=timeout_s, env=full_env, out=log)
-            marker = "DONE" if code == 0 else "FAILED"
-            (out / marker).write_text(f"exit {code}\n{log.getvalue()[-6000:]}")
+            code, log = _launch(worker, world, out, args, timeout_s, env)
+            (out / ("DONE" if code == 0 else "FAILED")).write_text(f"exit {code}\n{log}")
     if (out / "FAILED").exists():
         pytest.fail(f"{world}-process run of {worker.name} failed; log:\n{(out / 'FAILED').read_text()}")
     return out
