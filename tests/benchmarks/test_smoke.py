@@ -39,6 +39,6 @@ def test_run_all_smoke_on_cpu(tmp_path):
     kernel = (tmp_path / "kernel_overhead.md").read_text()
     assert kernel.count("same result") >= 6  # native, bridge and pure_callback for both ops
     md = (tmp_path / "md_step.md").read_text()
-    assert md.count(" ok |") == 8 and "FAIL" not in md  # 2 systems x 2 kernels x 2 bridge runs
+    assert md.count(" ok |") == 6 and "FAIL" not in md  # (lj: torch, triton; dsf: torch) x 2 bridge runs
     assert "| yes |" in (tmp_path / "front_door.md").read_text()
     assert (tmp_path / "ALL.md").read_text().count("## ") == 4

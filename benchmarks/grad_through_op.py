@@ -1,0 +1,118 @@
+"""Energy + forces of an autograd-force torch function through the bridge against native `autograd.grad`.
+
+    PYTHONPATH=. python3 benchmarks/grad_through_op.py --out OUTDIR [--smoke] [--sizes 1000,10000]
+
+The function is what a message-passing model's energy looks like to autograd: a Lennard-Jones
+energy summed over a fixed edge list (positions (N, 3) and edges (E, 2) in, a scalar out), with
+no backward formula of its own. Native: `e = fn(x, edges); torch.autograd.grad(e, x)`. Bridge:
+`jax.jit(jax.value_and_grad(kernel))` of the same function as a torch op (`torch_function`), on
+the FFI and the callback call paths. The table counts how many times the function's forward ran
+per energy + forces (native: 1) and gives bridge/native throughput (target >= 0.95x, issue 15).
+`--label` tags the rows, so runs of two versions of the package can share one table.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import _common as cm
+import numpy as np
+
+SIZES = [1000, 4000, 10000, 40000, 100000]
+SMOKE_SIZES = [200]
+NEIGHBOURS = 48  # edges per atom: a MACE-like graph at r_max 5 A in a metal
+SIGMA, EPSILON = 1.0, 0.01
+
+
+def edge_list(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of `n` atoms at unit density (a rattled simple cubic lattice) and `NEIGHBOURS` random near pairs."""
+    rng = np.random.default_rng(seed)
+    side = int(np.ceil(n ** (1 / 3)))
+    grid = np.stack(np.meshgrid(*[np.arange(side)] * 3, indexing="ij"), -1).reshape(-1, 3)[:n]
+    pos = 1.2 * grid + 0.05 * rng.normal(size=(n, 3))
+    # neighbours: atoms within +-2 lattice sites, a fixed count per atom (indices wrap at the ends)
+    offsets = rng.integers(-2 * side * side - 2 * side - 2, 2 * side * side + 2 * side + 3, size=(n, NEIGHBOURS))
+    offsets[offsets == 0] = 1
+    recv = np.repeat(np.arange(n), NEIGHBOURS)
+    send = (recv + offsets.reshape(-1)) % n
+    return pos, np.stack([send, recv], 1).astype(np.int64)
+
+
+def make_energy(counter: list[int]):
+    """The torch energy function; `counter[0]` counts its forward runs."""
+    import torch
+
+    def energy(x: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+        counter[0] += 1
+        d = x[edges[:, 0]] - x[edges[:, 1]]
+        r2 = (d * d).sum(1)
+        sr6 = (SIGMA * SIGMA / r2) ** 3
+        return (4.0 * EPSILON * (sr6 * sr6 - sr6)).sum().reshape(1)
+
+    return energy
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = cm.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--sizes", default=None, help=f"atoms, comma list (default {','.join(map(str, SIZES))})")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--iters", type=int, default=None, help="timed calls (default 30, smoke 3)")
+    p.add_argument("--paths", default="ffi,callback", help="bridge call paths, comma list")
+    p.add_argument("--label", default="", help="a tag for the rows (e.g. the package version measured)")
+    a = p.parse_args(argv)
+    platform = cm.setup(a.platform)
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from nvalchemi_jaxbridge.kernels.torch_fn import torch_function
+
+    sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else (SMOKE_SIZES if a.smoke else SIZES)
+    iters, warmup = a.iters or (3 if a.smoke else 30), 2 if a.smoke else 5
+    dev = torch.device("cuda", 0) if platform == "gpu" else torch.device("cpu")
+    tdt = getattr(torch, a.dtype)
+    settings = {"dtype": a.dtype, "graph": f"{NEIGHBOURS} edges per atom, LJ energy summed over edges",
+                "timing": f"median of {iters} calls after {warmup} warm-up, synchronised after each",
+                "label": a.label or "-"}
+    rep = cm.Report("grad_through_op", "Energy + forces through a torch function: bridge vs native autograd",
+                    a.out, cm.context(platform), settings)
+    rows = rep.table("Energy + forces", ["label", "atoms", "edges", "run", "forwards per E+F", "E+F (ms)",
+                                         "bridge/native", "max |dF| / max |F|"])
+    for n in sizes:
+        with rep.section(f"{n} atoms"):
+            pos, edges = edge_list(n)
+            counter = [0]
+            fn = make_energy(counter)
+            x_t = torch.tensor(pos, dtype=tdt, device=dev)
+            e_t = torch.tensor(edges, device=dev)
+
+            def native():
+                x = x_t.detach().requires_grad_(True)
+                e = fn(x, e_t).sum()
+                (g,) = torch.autograd.grad(e, x)
+                return e, g
+
+            wall, ev = cm.time_torch(native, warmup=warmup, iters=iters, device=dev)
+            t_native = cm.med(ev or wall)
+            counter[0] = 0
+            e_ref, g_ref = native()
+            f_ref = -g_ref.detach().cpu().numpy()
+            rep.row(rows, [a.label or "-", n, len(edges), "native", counter[0], cm.ms(t_native), "1", "-"])
+            x_j = jnp.asarray(pos, dtype=a.dtype)
+            e_j = jnp.asarray(edges.astype(np.int32))
+            for path in [s for s in a.paths.split(",") if s]:
+                kernel = torch_function(fn, 2, 1, label=f"lj_edges_{path}", call_path=path)
+                vg = jax.jit(jax.value_and_grad(lambda x, ed, k=kernel: k(x, ed)[0]))
+                t = cm.med(cm.time_jax(lambda: vg(x_j, e_j), warmup=warmup, iters=iters))
+                counter[0] = 0
+                _, g = jax.block_until_ready(vg(x_j, e_j))
+                err = float(np.abs(-np.asarray(g) - f_ref).max() / max(np.abs(f_ref).max(), 1e-30))
+                rep.row(rows, [a.label or "-", n, len(edges), f"bridge ({path})", counter[0], cm.ms(t),
+                               f"{t_native / t:.2f}x", f"{err:.1e}"])
+    rep.note("forwards per E+F: how many times the energy function ran for one energy + forces call "
+             "(native torch: once). bridge/native > 1 means the bridge is faster.")
+    return rep.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
