@@ -149,10 +149,11 @@ def test_cli_run_torch_kernel_report(tmp_path, capsys):
 
 
 def test_cli_run_triton_kernel_matches_numpy(tmp_path):
-    # The Triton interpreter (CPU) is slow: one step, 32 atoms, 2 devices.
+    # The Triton interpreter (CPU) is slow: one step, 32 atoms, 2 devices, a 4.5 Å cutoff (a quarter of the
+    # 8.5 Å cutoff's halo rows).
     path = tmp_path / "r.json"
     assert main(["run", "--kernel", "triton", "--cells", "2", "--devices", "2", "--steps", "1", "--quiet",
-                 "--json-report", str(path)]) == 0
+                 "--param", "cutoff=4.5", "--json-report", str(path)]) == 0
     r = json.loads(path.read_text())
     assert r["op"] == "jaxbridge_demo::lj_energy_forces_triton" and r["n_atoms"] == 32
     assert r["parity_force_max_rel"] < 1e-10
