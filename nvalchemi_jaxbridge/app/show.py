@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 
 from .op_roles import arg_roles, load_op, op_params
 from .report import format_collectives
 from .validate import sample_system
+
 
 def show_spec(spec_path: str, *, devices: int | None = None, system: str | None = None, cells: int | None = None,
               structure: str | None = None, op: str | None = None) -> str:
@@ -59,8 +61,9 @@ def show_spec(spec_path: str, *, devices: int | None = None, system: str | None 
         plan = HaloPlan.build(sample.positions, sample.cell, periodic=sample.periodic, cutoff=cutoff, n_devices=len(devs))
         one = DistributionSpec(policy=spec.policy, custom_ops=(adapter,))
         cs = kcompile(one, mesh, plan, positions={adapter: [roles.index("positions")]})
-        args = [cs.owned(sample.positions, positions=True) if r == "positions" else
-                cs.owned(sample.charges) if r == "charges" else cs.halo_owned_mask() for r in roles]
+        dtype = np.float64 if jax.config.jax_enable_x64 else np.float32  # JAX's width: no silent cut
+        args = [cs.owned(sample.positions.astype(dtype), positions=True) if r == "positions" else
+                cs.owned(sample.charges.astype(dtype)) if r == "charges" else cs.halo_owned_mask() for r in roles]
         compiled = jax.jit(lambda c, *a: c.call(adapter, *a)).lower(cs, *args).compile()
         outs = compiled.output_shardings
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)

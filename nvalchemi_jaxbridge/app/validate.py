@@ -251,12 +251,16 @@ def _run_pair(spec: Any, adapter: Any, op: Any, roles: list[str], system: Any, d
     try:
         gathered = [i for i, r in enumerate(roles) if r == "positions"]
         cs = kcompile(dist_spec, make_mesh(len(devs), devices=devs), plan, positions={adapter: gathered})
+        import jax
+
+        # the distributed run at JAX's width: float32 where x64 is off (the front door refuses a silent cut)
+        run_dtype = np.float64 if jax.config.jax_enable_x64 else np.float32
         args = []
         for r in roles:
             if r == "positions":
-                args.append(cs.owned(system.positions, positions=True))
+                args.append(cs.owned(system.positions.astype(run_dtype), positions=True))
             elif r == "charges":
-                args.append(cs.owned(charges))
+                args.append(cs.owned(charges.astype(run_dtype)))
             else:
                 args.append(cs.halo_owned_mask())
         outs = cs.call(adapter, *args)

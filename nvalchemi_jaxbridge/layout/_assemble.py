@@ -9,7 +9,8 @@ from typing import Literal
 import numpy as np
 
 from .errors import HaloOverflowError
-from .partition import Partition
+from .inputs import positive_int
+from .partition import MAX_PLAN_ROWS, Partition
 
 OnOverflow = Literal["replan", "raise"]
 _INT32_MAX = np.iinfo(np.int32).max
@@ -32,13 +33,6 @@ def _parking(count: int, base: np.ndarray, spacing: float, side: int) -> np.ndar
     return base + spacing * np.stack([q % side, (q // side) % side, q // (side * side)], axis=1)
 
 
-def _positive_int(name: str, value: object) -> int:
-    """`value` as an int >= 1, or a ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"HaloPlan.build: {name} must be an int >= 1, got {value!r}.")
-    return int(value)
-
-
 def _pair_request(pair_capacities: int | Mapping[int, int] | None, n_devices: int) -> int | dict[int, int] | None:
     """Validated `pair_capacities` argument: None, one int, or `{offset: rows}`."""
     if pair_capacities is None:
@@ -51,9 +45,9 @@ def _pair_request(pair_capacities: int | Mapping[int, int] | None, n_devices: in
                     f"HaloPlan.build: pair_capacities key {k!r} is not a rank offset in [0, {n_devices}); "
                     "keys are offsets k (device d sends to (d + k) % n_devices)."
                 )
-            out[int(k)] = _positive_int(f"pair_capacities[{k}]", v)
+            out[int(k)] = positive_int("HaloPlan.build", f"pair_capacities[{k}]", v)
         return out
-    return _positive_int("pair_capacities", pair_capacities)
+    return positive_int("HaloPlan.build", "pair_capacities", pair_capacities)
 
 
 def _assemble(
@@ -127,6 +121,13 @@ def _assemble(
     if overflows:
         _raise_overflow(overflows, oc, gc, dict(zip(offsets, caps)), headroom, n_owned, n_ghost)
     hr = oc + gc
+    if (total := d * (hr + sum(caps))) > MAX_PLAN_ROWS:
+        raise ValueError(
+            f"HaloPlan.build: owned_capacity={oc}, ghost_capacity={gc} and pair_capacities={caps} on {d} devices "
+            f"make {total:.3g} table rows, above the limit MAX_PLAN_ROWS = {MAX_PLAN_ROWS}, though the system needs "
+            f"only {max_owned} owned and {max_ghost} ghost rows per device; lower the fixed capacities or "
+            f"headroom={headroom:g} (nothing was allocated)."
+        )
     if hr > _INT32_MAX:
         raise ValueError(f"HaloPlan.build: halo_rows={hr} does not fit int32 row indices; use more devices.")
 

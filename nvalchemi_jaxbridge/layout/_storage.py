@@ -13,16 +13,18 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .inputs import real_positions
+
 if TYPE_CHECKING:
     from .halo_plan import HaloPlan
 
 
 def _check_global(plan: HaloPlan, x: np.ndarray, where: str, positions: bool) -> np.ndarray:
-    """`x` as an array with `n_atoms` rows (and `(N, 3)` floats when `positions`)."""
-    x = np.asarray(x)
+    """`x` as an array with `n_atoms` rows (and `(N, 3)` real floats when `positions`: TypeError otherwise)."""
+    x = real_positions(f"HaloPlan.{where}(positions=True)", x) if positions else np.asarray(x)
     if x.ndim == 0 or x.shape[0] != plan.n_atoms:
         raise ValueError(f"HaloPlan.{where}: expected {plan.n_atoms} rows (one per atom), got shape {x.shape}.")
-    if positions and (x.shape[1:] != (3,) or not np.issubdtype(x.dtype, np.floating)):
+    if positions and x.shape[1:] != (3,):
         raise ValueError(
             f"HaloPlan.{where}(positions=True): expected float positions of shape ({plan.n_atoms}, 3), "
             f"got {x.dtype} {x.shape}."

@@ -6,6 +6,8 @@ import itertools
 
 import numpy as np
 
+from .inputs import positive_int
+
 
 def perpendicular_widths(cell: np.ndarray) -> np.ndarray:
     """Distance between opposite faces of the cell along each axis: `1 / |reciprocal row|`."""
@@ -38,11 +40,10 @@ def choose_grid(n_devices: int, cell: np.ndarray, periodic: tuple[bool, bool, bo
         `(nx, ny, nz)`; rank of domain `(ix, iy, iz)` is `(ix * ny + iy) * nz + iz`.
 
     Raises:
-        ValueError: `n_devices` is not a positive int or `cell` is not a
-            non-singular `(3, 3)` matrix.
+        TypeError: `n_devices` is not an int (a bool is not one).
+        ValueError: `n_devices` is below 1 or `cell` is not a non-singular `(3, 3)` matrix.
     """
-    if isinstance(n_devices, bool) or not isinstance(n_devices, (int, np.integer)) or n_devices < 1:
-        raise ValueError(f"choose_grid: n_devices must be an int >= 1, got {n_devices!r}.")
+    n_devices = positive_int("choose_grid", "n_devices", n_devices)
     cell = np.asarray(cell, dtype=np.float64)
     if cell.shape != (3, 3) or not np.all(np.isfinite(cell)):
         raise ValueError(f"choose_grid: cell must be a finite (3, 3) array of lattice rows, got shape {cell.shape}.")

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _storage
-from ._assemble import OnOverflow, _assemble, _pair_request, _positive_int, _readonly
+from . import _storage, inputs
+from ._assemble import OnOverflow, _assemble, _pair_request, _readonly
 from .errors import HaloOverflowError as HaloOverflowError
 from .grid import choose_grid
 from .partition import effective_cell, partition
@@ -122,14 +122,16 @@ class HaloPlan:
         """Partition `positions` over `n_devices` spatial domains and lay out their halo rows.
 
         Args:
-            positions: `(N, 3)` Cartesian positions (the caller's coordinates, wrapped or not: any
-                periodic image of an atom gives the same ownership and ghosts).
-            cell: `(3, 3)` lattice vectors as rows. A row may be zero on a non-periodic axis.
+            positions: `(N, 3)` real floating-point Cartesian positions (the caller's coordinates,
+                wrapped or not: any periodic image of an atom gives the same ownership and ghosts).
+                Integer, bool or complex arrays are refused: convert with `positions.astype(np.float64)`.
+            cell: `(3, 3)` lattice vectors as rows. A row may be zero on a non-periodic axis; a lattice
+                vector within a sine of `partition.MIN_CELL_SINE` of the others' plane is refused.
             periodic: periodic flag per lattice axis.
-            cutoff: interaction cutoff (> 0).
+            cutoff: interaction cutoff (a real number > 0; not a bool or string).
             skin: Verlet skin (>= 0); ghosts reach `cutoff + skin`, and the plan stays valid
                 until some atom moves more than `skin / 2`.
-            n_devices: number of devices (ranks).
+            n_devices: number of devices (ranks), an int >= 1.
             grid: domains per lattice axis; default `choose_grid(n_devices, ...)`.
             headroom: capacities are `ceil(headroom * needed)` (plus the pad row for ghosts).
             owned_capacity, ghost_capacity: fixed capacities (default: from `headroom`).
@@ -143,52 +145,56 @@ class HaloPlan:
 
         Raises:
             HaloOverflowError: a fixed capacity is too small and `on_overflow="raise"`.
-            ValueError: malformed input (the message says which argument and how to fix it).
+            TypeError: an argument of the wrong type: positions not real floating point, a number
+                (`cutoff`, `skin`, `headroom`) or count (`n_devices`, capacities) that is a bool, string, ...
+            ValueError: malformed input (the message says which argument and how to fix it); a degenerate
+                cell; an atom whose coordinate is non-finite or absurdly large (`inputs.coordinate_limit`);
+                a plan that would hold more than `partition.MAX_PLAN_ROWS` rows (refused before any
+                allocation, e.g. for a periodic axis far thinner than `cutoff + skin`).
 
         Example:
             >>> plan = HaloPlan.build(pos, cell, cutoff=5.0, skin=1.0, n_devices=4)
             >>> x_halo = plan.to_halo(pos, positions=True)   # numpy reference layout
         """
-        pos = np.asarray(positions)
-        if pos.ndim != 2 or pos.shape[1] != 3 or not np.issubdtype(pos.dtype, np.number):
-            raise ValueError(f"HaloPlan.build: positions must be a numeric (N, 3) array, got shape {pos.shape}.")
+        where = "HaloPlan.build"
+        pos = inputs.real_positions(where, positions)
+        if pos.ndim != 2 or pos.shape[1] != 3:
+            raise ValueError(f"{where}: positions must be a numeric (N, 3) array, got shape {pos.shape}.")
         pos = pos.astype(np.float64)
-        if not np.all(np.isfinite(pos)):
-            bad = np.flatnonzero(~np.isfinite(pos).all(axis=1))[:5].tolist()
-            raise ValueError(f"HaloPlan.build: positions of atoms {bad} are not finite; fix them before planning.")
-        cell_arr = np.asarray(cell, dtype=np.float64)
+        cell_arr = np.asarray(cell)
+        if cell_arr.dtype.kind not in "iuf":
+            raise TypeError(f"{where}: cell must be a real (3, 3) array of lattice rows, got dtype {cell_arr.dtype}.")
+        cell_arr = cell_arr.astype(np.float64)
         if cell_arr.shape != (3, 3) or not np.all(np.isfinite(cell_arr)):
-            raise ValueError(f"HaloPlan.build: cell must be a finite (3, 3) array of lattice rows, got {cell_arr.shape}.")
+            raise ValueError(f"{where}: cell must be a finite (3, 3) array of lattice rows, got {cell_arr.shape}.")
         if len(periodic) != 3 or not all(isinstance(p, (bool, np.bool_)) for p in periodic):
-            raise ValueError(f"HaloPlan.build: periodic must be three bools, one per lattice axis, got {periodic!r}.")
+            raise ValueError(f"{where}: periodic must be three bools, one per lattice axis, got {periodic!r}.")
         periodic = tuple(bool(p) for p in periodic)
-        if not (np.isfinite(cutoff) and cutoff > 0):
-            raise ValueError(f"HaloPlan.build: cutoff must be a finite number > 0, got {cutoff!r}.")
-        if not (np.isfinite(skin) and skin >= 0):
-            raise ValueError(f"HaloPlan.build: skin must be a finite number >= 0, got {skin!r}.")
-        n_devices = _positive_int("n_devices", n_devices)
-        if not (np.isfinite(headroom) and headroom >= 1.0):
-            raise ValueError(f"HaloPlan.build: headroom must be >= 1.0 (1.2 = 20% spare rows), got {headroom!r}.")
+        cutoff = inputs.real_number(where, "cutoff", cutoff, positive=True)
+        skin = inputs.real_number(where, "skin", skin, positive=False)
+        n_devices = inputs.positive_int(where, "n_devices", n_devices)
+        headroom = inputs.headroom(where, headroom)
         if on_overflow not in ("replan", "raise"):
-            raise ValueError(f"HaloPlan.build: on_overflow must be 'replan' or 'raise', got {on_overflow!r}.")
+            raise ValueError(f"{where}: on_overflow must be 'replan' or 'raise', got {on_overflow!r}.")
+        inputs.check_coordinates(where, pos, cutoff + skin)  # finite, and resolvable at the cutoff scale
         basis = effective_cell(cell_arr, periodic, pos)
         if grid is None:
             grid = choose_grid(n_devices, basis, periodic)
         else:
-            grid = tuple(_positive_int("grid entries", g) for g in grid)
+            grid = tuple(inputs.positive_int(where, "grid entries", g) for g in grid)
             if len(grid) != 3 or math.prod(grid) != n_devices:
                 raise ValueError(
                     f"HaloPlan.build: grid {grid} must have 3 entries whose product is n_devices={n_devices}; "
                     "pass grid=None to choose one."
                 )
         if owned_capacity is not None:
-            owned_capacity = _positive_int("owned_capacity", owned_capacity)
+            owned_capacity = inputs.positive_int(where, "owned_capacity", owned_capacity)
         if ghost_capacity is not None:
-            ghost_capacity = _positive_int("ghost_capacity", ghost_capacity)
+            ghost_capacity = inputs.positive_int(where, "ghost_capacity", ghost_capacity)
         pair_request = _pair_request(pair_capacities, n_devices)
-        part = partition(pos, basis, periodic, grid, float(cutoff) + float(skin))
+        part = partition(pos, basis, periodic, grid, cutoff + skin)
         return cls(**_assemble(
-            pos, cell_arr, basis, periodic, tuple(grid), float(cutoff), float(skin), n_devices, float(headroom),
+            pos, cell_arr, basis, periodic, tuple(grid), cutoff, skin, n_devices, headroom,
             part, owned_capacity, ghost_capacity, pair_request, on_overflow,
         ))
 
@@ -297,7 +303,7 @@ class HaloPlan:
 
     def _displacement(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Minimum-image displacements `(N, 3)` and whether each atom jumped by a lattice vector."""
-        pos = np.asarray(positions, dtype=np.float64)
+        pos = inputs.real_positions("HaloPlan.needs_rebuild / max_displacement", positions).astype(np.float64)
         if pos.shape != (self.n_atoms, 3):
             raise ValueError(f"HaloPlan: positions have shape {pos.shape}, the plan has ({self.n_atoms}, 3).")
         frac = (pos - self.reference_positions) @ np.linalg.inv(self.basis)

@@ -15,6 +15,13 @@ otherwise) inside the fractional bounding box of its owned atoms, widened by
 `t = 0` (that is its owned row). The widening is a conservative superset of
 "within `reach` of an owned atom", so the owner of an atom sees every partner
 within `reach`, under every periodic image, in the wrapped frame.
+
+The plan's size is bounded before its tables are allocated: a cell whose
+lattice vector lies almost in the plane of the others (`MIN_CELL_SINE`), an
+atom absurdly many cells from the origin (`MAX_CELLS`), or a search that would
+hold more than `MAX_PLAN_ROWS` rows in all (e.g. a periodic axis far thinner
+than `reach`, which needs about `2 * reach / width` images of every atom across
+it) is refused with the axis, atom or rank named.
 """
 
 from __future__ import annotations
@@ -26,6 +33,19 @@ import numpy as np
 # Relative widening of the search margin: a pair at exactly `reach` must not
 # be lost to rounding in the fractional projection.
 _MARGIN_EPS = 1e-9
+
+MIN_CELL_SINE = 1e-6
+"""A lattice vector must leave the plane of the other two at this sine at least (else the cell is degenerate)."""
+
+MAX_CELLS = 2.0**31
+"""An atom may be at most this many cells from the origin along a periodic axis (fractional coordinate)."""
+
+MAX_PLAN_ROWS = 2**30
+"""Most rows a plan may hold in all devices' halo blocks, `n_devices * max(owned + ghost rows)`.
+
+About 80 bytes of host tables and temporaries per row, so roughly 90 GB at the limit; a plan that
+would need more is refused before anything is allocated.
+"""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -45,11 +65,14 @@ def effective_cell(cell: np.ndarray, periodic: tuple[bool, bool, bool], position
     The filled row is a unit direction orthogonal to the other rows, scaled to
     the atoms' extent along it (at least 1); it only sets the fractional frame
     and never shifts a position.
+
+    Raises:
+        ValueError: a periodic axis has a zero row, or the filled cell is singular or nearly so (a
+            lattice vector within a sine of `MIN_CELL_SINE` of the other two's plane), naming the vectors.
     """
     cell = np.array(cell, dtype=np.float64)
     norms = np.linalg.norm(cell, axis=1)
-    scale = max(float(norms.max()), float(np.ptp(positions, axis=0).max()) if len(positions) else 0.0, 1.0)
-    zero = norms <= 1e-12 * scale
+    zero = norms <= 1e-12 * float(norms.max())  # relative to the cell itself, never to the coordinates
     for k in range(3):
         if zero[k] and periodic[k]:
             raise ValueError(
@@ -66,13 +89,35 @@ def effective_cell(cell: np.ndarray, periodic: tuple[bool, bool, bool], position
         extent = float(np.ptp(positions @ direction)) if len(positions) else 0.0
         cell[k] = direction * max(extent, 1.0)
         zero[k] = False
-    norms = np.linalg.norm(cell, axis=1)
-    if abs(np.linalg.det(cell)) <= 1e-10 * np.prod(norms):
-        raise ValueError(
-            f"HaloPlan: cell is singular (rows {cell.tolist()} do not span 3-D); give three independent "
-            "lattice vectors, or zero rows for non-periodic axes."
-        )
+    _check_not_degenerate(cell)
     return cell
+
+
+def cell_sines(cell: np.ndarray) -> np.ndarray:
+    """Per lattice vector, the sine of its angle to the plane of the other two: perpendicular width / length."""
+    norms = np.linalg.norm(cell, axis=1)
+    volume = abs(float(np.linalg.det(cell)))
+    faces = np.linalg.norm(np.cross(cell[[1, 2, 0]], cell[[2, 0, 1]]), axis=1)  # |a_j x a_k| opposite a_i
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sines = volume / (faces * norms)
+    return np.nan_to_num(sines, nan=0.0, posinf=0.0)
+
+
+def _check_not_degenerate(cell: np.ndarray) -> None:
+    """Raise if some lattice vector of a (filled) cell lies within `MIN_CELL_SINE` of the other two's plane."""
+    sines = cell_sines(cell)
+    if sines.min() >= MIN_CELL_SINE:
+        return
+    bad = [int(k) for k in np.flatnonzero(sines < MIN_CELL_SINE)]
+    norms = np.linalg.norm(cell, axis=1)
+    detail = "; ".join(f"cell[{k}] has perpendicular width {sines[k] * norms[k]:.3g} for length {norms[k]:.3g}"
+                       for k in bad)
+    raise ValueError(
+        f"HaloPlan: cell is singular or nearly so: lattice vector(s) {bad} lie within a sine of "
+        f"{float(sines.min()):.3g} of the plane of the others (the limit is {MIN_CELL_SINE:g}; {detail}). "
+        "Give three independent lattice vectors (check the rows and units of the cell), or zero rows for "
+        "non-periodic axes."
+    )
 
 
 def assign_owners(
@@ -96,19 +141,25 @@ def assign_owners(
     return rank, frame
 
 
-def _images_in_box(
+def _image_range(
     frac: np.ndarray, lo: np.ndarray, hi: np.ndarray, periodic: tuple[bool, bool, bool]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """All `(atom, t)` with `frac[atom] + t` inside `[lo, hi]` (t = 0 on non-periodic axes)."""
-    tmin = np.zeros(frac.shape, dtype=np.int64)
-    tmax = np.zeros(frac.shape, dtype=np.int64)
+    """Float `(tmin, tmax)` per atom and axis: the shifts `t` with `frac + t` inside `[lo, hi]` (t = 0 off-periodic)."""
+    tmin = np.zeros(frac.shape)
+    tmax = np.zeros(frac.shape)
     for k in range(3):
         s = frac[:, k]
         if periodic[k]:
-            tmin[:, k] = np.ceil(lo[k] - s).astype(np.int64)
-            tmax[:, k] = np.floor(hi[k] - s).astype(np.int64)
+            tmin[:, k] = np.ceil(lo[k] - s)
+            tmax[:, k] = np.floor(hi[k] - s)
         else:
-            tmax[:, k] = np.where((s >= lo[k]) & (s <= hi[k]), 0, -1)
+            tmax[:, k] = np.where((s >= lo[k]) & (s <= hi[k]), 0.0, -1.0)
+    return tmin, tmax
+
+
+def _images_in_range(tmin: np.ndarray, tmax: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """All `(atom, t)` with `tmin[atom] <= t <= tmax[atom]` (integral floats, counted before this allocates)."""
+    tmin, tmax = tmin.astype(np.int64), tmax.astype(np.int64)
     span = np.clip(tmax - tmin + 1, 0, None)
     count = span.prod(axis=1)
     atoms = np.flatnonzero(count)
@@ -122,28 +173,76 @@ def _images_in_box(
     return atom, tmin[atom] + step
 
 
+Box = tuple[np.ndarray, np.ndarray] | None
+
+
+def search_boxes(wrapped: np.ndarray, owner: np.ndarray, n_ranks: int, margin: np.ndarray) -> tuple[Box, ...]:
+    """Per rank, the fractional box `(lo, hi)` of its owned atoms widened by `margin` (None: owns no atom)."""
+    margin = margin * (1.0 + _MARGIN_EPS) + _MARGIN_EPS
+    boxes: list[Box] = []
+    for rank in range(n_ranks):
+        members = wrapped[owner == rank]
+        boxes.append((members.min(axis=0) - margin, members.max(axis=0) + margin) if len(members) else None)
+    return tuple(boxes)
+
+
 def find_ghosts(
     wrapped: np.ndarray,
     periodic: tuple[bool, bool, bool],
     owner: np.ndarray,
-    n_ranks: int,
-    margin: np.ndarray,
+    boxes: tuple[Box, ...],
+    widths: np.ndarray,
+    reach: float,
 ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
-    """Ghost images per rank from wrapped coordinates: `(atom ids, lattice shifts)`, without duplicates."""
-    margin = margin * (1.0 + _MARGIN_EPS) + _MARGIN_EPS
+    """Ghost images per rank from wrapped coordinates: `(atom ids, lattice shifts)`, without duplicates.
+
+    Each rank's images are counted before they are listed: `n_ranks` times a rank's rows above
+    `MAX_PLAN_ROWS` raises (`widths`, `reach` go into the message), so no step allocates more.
+    """
     atoms_out, images_out = [], []
-    for rank in range(n_ranks):
-        members = wrapped[owner == rank]
-        if len(members) == 0:
+    for rank, box in enumerate(boxes):
+        if box is None:
             atoms_out.append(np.zeros(0, dtype=np.int64))
             images_out.append(np.zeros((0, 3), dtype=np.int64))
             continue
-        lo, hi = members.min(axis=0) - margin, members.max(axis=0) + margin
-        atom, image = _images_in_box(wrapped, lo, hi, periodic)
+        tmin, tmax = _image_range(wrapped, box[0], box[1], periodic)
+        rows = float(np.clip(tmax - tmin + 1.0, 0.0, None).prod(axis=1).sum())
+        if len(boxes) * rows > MAX_PLAN_ROWS:
+            _raise_too_large(rank, rows, len(boxes), periodic, widths, reach)
+        atom, image = _images_in_range(tmin, tmax)
         keep = ~((owner[atom] == rank) & ~image.any(axis=1))  # an owned atom at t = 0 is its owned row
         atoms_out.append(atom[keep])
         images_out.append(image[keep])
     return tuple(atoms_out), tuple(images_out)
+
+
+def _check_frames(frac: np.ndarray, periodic: tuple[bool, bool, bool]) -> None:
+    """Raise if an atom lies more than `MAX_CELLS` cells from the origin along a periodic axis."""
+    far = (np.abs(frac) > MAX_CELLS) & np.array(periodic)
+    if far.any():
+        atom, axis = (int(i) for i in np.argwhere(far)[0])
+        raise ValueError(
+            f"HaloPlan: atom {atom} is {abs(float(frac[atom, axis])):.3g} cells from the origin along periodic "
+            f"lattice vector {axis} (the limit is {MAX_CELLS:.3g}). Wrap positions into the cell, or check the "
+            "units of positions and cell."
+        )
+
+
+def _raise_too_large(
+    rank: int, rows: float, n_ranks: int, periodic: tuple[bool, bool, bool], widths: np.ndarray, reach: float
+) -> None:
+    """The error for a plan whose halo blocks would hold more than `MAX_PLAN_ROWS` rows (rank `rank` has `rows`)."""
+    thin = [f"axis {k} is {widths[k]:.3g} wide, so every atom has ~{2 * reach / widths[k] + 1:.3g} images across it"
+            for k in range(3) if periodic[k] and widths[k] < reach]
+    why = "; ".join(thin) if thin else "the system is large for this many devices"
+    shown = [float(f"{w:.3g}") for w in widths]
+    raise ValueError(
+        f"HaloPlan: the plan would hold {n_ranks * rows:.3g} rows ({n_ranks} devices x {rows:.3g} owned + ghost "
+        f"rows on rank {rank}), above the limit MAX_PLAN_ROWS = {MAX_PLAN_ROWS}; its tables were not allocated. "
+        f"The cell's perpendicular widths are {shown} against cutoff + skin = {reach:g}: {why}. Check the "
+        "cell and cutoff (units; a periodic cell far thinner than the cutoff), use a smaller cutoff + skin, or "
+        "more devices for a large system."
+    )
 
 
 def partition(
@@ -164,11 +263,19 @@ def partition(
 
     Returns:
         A `Partition`.
+
+    Raises:
+        ValueError: an atom is more than `MAX_CELLS` cells from the origin on a periodic axis, or the
+            plan would hold more than `MAX_PLAN_ROWS` rows (each rank's images are counted before they
+            are listed, so no step allocates more than that).
     """
     inv = np.linalg.inv(basis)
     frac = positions @ inv
+    _check_frames(frac, periodic)
     owner, frame = assign_owners(frac, periodic, grid)
-    margin = reach * np.linalg.norm(inv, axis=0)
+    reciprocal = np.linalg.norm(inv, axis=0)  # 1 / perpendicular width per axis
     n_ranks = grid[0] * grid[1] * grid[2]
-    atoms, images = find_ghosts(frac - frame, periodic, owner, n_ranks, margin)
+    wrapped = frac - frame
+    boxes = search_boxes(wrapped, owner, n_ranks, reach * reciprocal)
+    atoms, images = find_ghosts(wrapped, periodic, owner, boxes, 1.0 / reciprocal, reach)
     return Partition(grid=tuple(grid), owner=owner, frame=frame, ghost_atom=atoms, ghost_image=images)

@@ -7,6 +7,9 @@ import math
 
 import numpy as np
 
+from .inputs import headroom as headroom_number
+from .inputs import positive_int
+
 _INT32_MAX = np.iinfo(np.int32).max
 
 
@@ -62,6 +65,7 @@ class ShardPlan:
             The plan.
 
         Raises:
+            TypeError: `n_devices` is not an int, or `headroom` not a real number (a bool is neither).
             ValueError: a rank out of range, a non-integer assignment, or a capacity too small
                 (the message gives the capacity that fits).
         """
@@ -74,8 +78,7 @@ class ShardPlan:
         a = a.astype(np.int64)
         if n_devices is None:
             n_devices = int(a.max()) + 1 if a.size else 1
-        if isinstance(n_devices, bool) or not isinstance(n_devices, (int, np.integer)) or n_devices < 1:
-            raise ValueError(f"ShardPlan.from_assignment: n_devices must be an int >= 1, got {n_devices!r}.")
+        n_devices = positive_int("ShardPlan.from_assignment", "n_devices", n_devices)
         if (bad := np.flatnonzero((a < 0) | (a >= n_devices))).size:
             raise ValueError(
                 f"ShardPlan.from_assignment: global rows {bad[:5].tolist()} are assigned ranks "
@@ -83,8 +86,7 @@ class ShardPlan:
             )
         if a.size > _INT32_MAX:
             raise ValueError(f"ShardPlan: {a.size} global rows do not fit int32 row indices.")
-        if not (np.isfinite(headroom) and headroom >= 1.0):
-            raise ValueError(f"ShardPlan.from_assignment: headroom must be >= 1.0, got {headroom!r}.")
+        headroom = headroom_number("ShardPlan.from_assignment", headroom)
         n_owned = np.bincount(a, minlength=n_devices)
         needed = max(int(n_owned.max(initial=0)), 1)
         if owned_capacity is None:

@@ -6,16 +6,20 @@ from typing import Any
 
 import numpy as np
 
+from .inputs import real_positions
+
 
 def checked_structure(positions: Any, numbers: Any, cell: Any, pbc: Any, where: str
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[bool, bool, bool]]:
     """Positions `(N, 3)` float64, numbers `(N,)`, cell `(3, 3)` float64 and three periodic flags.
 
     Raises:
+        TypeError: positions are not real floating point (integer, bool or complex arrays are refused;
+            convert with `positions.astype(np.float64)`).
         ValueError: positions are not `(N, 3)` with one atomic number each, or an axis is periodic
             with a zero lattice vector; `where` names the caller in the message.
     """
-    pos = np.asarray(positions, dtype=np.float64)
+    pos = real_positions(where, positions).astype(np.float64)
     numbers = np.asarray(numbers).reshape(-1)
     if pos.ndim != 2 or pos.shape[1] != 3 or len(numbers) != len(pos):
         raise ValueError(

@@ -9,6 +9,13 @@ key, and `programs.build` reads them to choose the `in_specs`.
 A role is `(kind, aval, extra)`: kind `"sharded"`, `"replicated"` or
 `"static"`; aval `(shape, dtype)` (the type name for a static leaf); extra the
 transformed position (or None), or the static value itself.
+
+No silent narrowing: with `jax_enable_x64` off, every array leaf of a 64-bit
+dtype (int64, uint64, float64, complex128; numpy or an already placed
+`jax.Array`) is refused (`refuse_narrowing`), even one whose values would fit
+32 bits, since its dtype would still change; a `jax.Array` made while x64 is
+off is already 32-bit and passes. Arguments declared as positions
+(`compile(positions=...)`) must be real floating point.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -28,6 +36,26 @@ if TYPE_CHECKING:
     from .compile import CompiledSpec
 
 _STATIC_TYPES = (bool, int, float, complex, str, bytes, type(None))
+_NARROW = {"int64": "int32", "uint64": "uint32", "float64": "float32", "complex128": "complex64"}
+
+
+def refuse_narrowing(x: Any, what: str) -> None:
+    """Raise (ValueError) if `x` has a 64-bit dtype while `jax_enable_x64` is off: JAX would cut it to 32 bits.
+
+    Tracers are JAX values already and pass; `what` names the argument in the message.
+    """
+    if isinstance(x, jax.core.Tracer) or jax.config.read("jax_enable_x64"):
+        return
+    name = np.dtype(x.dtype).name
+    if name not in _NARROW:
+        return
+    loss = "digits past float32's ~7 would be lost" if "float" in name or "complex" in name else \
+        "values past the 32-bit range, such as ids of 2**31 or more, would change"
+    raise ValueError(
+        f"{what} has dtype {name}, but jax_enable_x64 is off, so JAX would silently cut it to {_NARROW[name]} "
+        f'({loss}). Turn 64-bit types on before any JAX computation with jax.config.update("jax_enable_x64", '
+        f"True), or convert it yourself if 32 bits are intended: x.astype(np.{_NARROW[name]})."
+    )
 
 
 def classify(cs: CompiledSpec, e: _Entry, args: tuple, kwargs: dict) -> tuple[list, Any, list]:
@@ -71,6 +99,14 @@ def _transformed(cs: CompiledSpec, e: _Entry, pos: int, value: Any) -> tuple[jax
             f"CompiledSpec.call: adapter {e.name!r} {e.label(pos)} has {type(t).__name__}() but got "
             f"{type(value).__name__}; pass an array of per-atom rows."
         )
+    if pos in e.positions and not jnp.issubdtype(value.dtype, jnp.floating):
+        raise TypeError(
+            f"CompiledSpec.call: adapter {e.name!r} {e.label(pos)} holds positions (compile(positions=...)) and "
+            f"must be real floating point, got dtype {value.dtype}: integer positions would have their periodic "
+            "image shifts truncated, complex ones their imaginary part dropped. Convert explicitly: "
+            "positions.astype(np.float64)."
+        )
+    refuse_narrowing(value, f"CompiledSpec.call: adapter {e.name!r} {e.label(pos)}")
     d = cs.tables.n_devices
     rows = value.shape[0] if len(value.shape) else None
     if isinstance(t, GatherInputs):
@@ -113,6 +149,8 @@ def _plain(cs: CompiledSpec, e: _Entry, where: tuple, leaf: Any) -> tuple[Any, t
         typed = bool(spec) and leaf.ndim > 0 and spec[0] == cs.axis
         role = "sharded" if typed or (leaf.ndim > 0 and leaf.shape[0] in _storage_rows(cs)) else "replicated"
         return leaf, (role, (tuple(leaf.shape), str(leaf.dtype)), None)
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        refuse_narrowing(leaf, _where(e, where))
     if isinstance(leaf, jax.Array):
         sh = leaf.sharding
         aval = (tuple(leaf.shape), str(leaf.dtype))

@@ -22,7 +22,9 @@ plan's storage rows (`D * owned_capacity`, `D * halo_rows`; sharded storage:
 `D * owned_capacity` or `D * (owned_capacity + 1)`). Pass per-device arrays of
 other row counts as concrete arrays (closures) when differentiating.
 Untransformed arguments may be pytrees (lists, tuples, dicts) of such leaves.
-Any other `jax.Array` sharding is rejected, never resharded silently.
+Any other `jax.Array` sharding is rejected, never resharded silently. With
+`jax_enable_x64` off a 64-bit array (numpy or `jax.Array`, in `owned`, `halo` or
+`call`) is refused, never narrowed silently (`arguments.refuse_narrowing`).
 
 Outputs: `ScatterOutputs` -> halo storage `P(axis)`; `AllReduceSum` ->
 replicated `P()`; `SliceOutputsOwned` -> `(D * (owned_capacity + k), ...)`
@@ -92,7 +94,12 @@ class CompiledSpec:
         Halo plans give `(D * owned_capacity, ...)` (`positions=True` parks padding
         rows; owned rows keep the caller's coordinates, wrapped or not); shard plans
         give `(D * (owned_capacity + pad_rows), ...)`.
+
+        Nothing is narrowed: with `jax_enable_x64` off a 64-bit `x` (int64, float64, ...)
+        raises ValueError; cast it to 32 bits yourself or turn x64 on. Positions must be
+        real floating point (TypeError otherwise).
         """
+        x = _host_input(x, "CompiledSpec.owned: x")
         if self.kind == "halo":
             return self._sharded(self.plan.to_owned(np.asarray(x), positions=positions))
         if positions:
@@ -109,7 +116,8 @@ class CompiledSpec:
         (`plan.halo_offset`) and parks padding rows, as a `GatherInputs` of positions does.
         """
         self._need_halo("halo")
-        return self._sharded(self.plan.to_halo(np.asarray(x), positions=positions))
+        x = _host_input(x, "CompiledSpec.halo: x")
+        return self._sharded(self.plan.to_halo(x, positions=positions))
 
     def halo_owned_mask(self) -> jax.Array:
         """`(D * halo_rows,)` bool, sharded: True on each device's owned rows of its halo block."""
@@ -117,7 +125,10 @@ class CompiledSpec:
         return self.tables.halo_owned_mask
 
     def to_global(self, x_owned: jax.Array, *, pad_rows: int = 1) -> np.ndarray:
-        """Owned storage back to per-atom numpy values `(N, ...)` in global-ID order (all processes)."""
+        """Owned storage back to per-atom numpy values `(N, ...)` in global-ID order (all processes).
+
+        A numpy `x_owned` stays on the host and keeps its dtype (int64 ids come back exact).
+        """
         if isinstance(x_owned, jax.Array) and not x_owned.is_fully_addressable:
             from jax.experimental import multihost_utils
 
@@ -236,6 +247,13 @@ class CompiledSpec:
         arguments.refuse_explicit(dyn, e)
         out, single = fn(self.tables, *dyn)
         return out[0] if single else out
+
+
+def _host_input(x: Any, what: str) -> np.ndarray:
+    """`x` as a numpy array, refused if JAX would narrow its dtype (`arguments.refuse_narrowing`)."""
+    x = x if isinstance(x, (np.ndarray, jax.Array)) else np.asarray(x)
+    arguments.refuse_narrowing(x, what)
+    return np.asarray(x)
 
 
 # ------------------------------------------------------------------ pytree

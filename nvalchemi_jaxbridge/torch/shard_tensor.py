@@ -105,6 +105,7 @@ class ShardTensor(torch.Tensor):
             requires_grad: make the result a leaf that requires grad (default: keep `local`'s).
 
         Raises:
+            TypeError: `local` is not a tensor, or `positions=True` and it is not real floating point.
             ValueError: unknown layout, or the block has fewer rows than the layout needs.
         """
         from .functions import context_for
@@ -113,6 +114,7 @@ class ShardTensor(torch.Tensor):
             raise ValueError(f"ShardTensor.from_local: layout must be one of {LAYOUTS}, got {layout!r}")
         if not isinstance(local, torch.Tensor):
             raise TypeError(f"ShardTensor.from_local: expected a torch.Tensor, got {type(local).__name__}")
+        _check_positions("ShardTensor.from_local", local, positions)
         meta = ShardMeta(context_for(plan), layout, positions, spec)
         _check_rows("ShardTensor.from_local", local, meta)
         if isinstance(local, ShardTensor):
@@ -142,6 +144,11 @@ class ShardTensor(torch.Tensor):
 
         Returns:
             A leaf ShardTensor (`requires_grad` as asked).
+
+        Raises:
+            TypeError: `positions=True` with an integer, bool or complex `full` (image shifts would be
+                truncated, an imaginary part dropped): convert it first, e.g. `full.to(torch.float64)`.
+            ValueError: an unknown layout, or not one row per atom of the plan.
         """
         from .functions import context_for, halo_from_owned
 
@@ -151,6 +158,7 @@ class ShardTensor(torch.Tensor):
                 "value is the same on every rank: use ShardTensor.from_local(x, plan, layout='replicated')"
             )
         full = torch.as_tensor(full)
+        _check_positions("ShardTensor.from_global", full, positions)
         ctx = context_for(plan)
         if full.ndim == 0 or full.shape[0] != ctx.n_global:
             raise ValueError(
@@ -322,6 +330,17 @@ def _prefix_meta(meta: ShardMeta, out: torch.Tensor) -> ShardMeta | None:
 # Methods whose results must stay as torch returns them (plain tensors or non-tensors).
 _NO_WRAP = {torch.Tensor.__repr__, torch.Tensor.__format__, torch.Tensor.numpy, torch.Tensor.tolist,
             torch.Tensor.item}
+
+
+def _check_positions(where: str, t: torch.Tensor, positions: bool) -> None:
+    """Raise (TypeError) if a block declared as positions is not real floating point."""
+    if positions and not torch.is_floating_point(t):
+        why = "its imaginary part would be dropped" if t.is_complex() else \
+            "the periodic image shifts added in a halo exchange would be truncated"
+        raise TypeError(
+            f"{where}(positions=True): positions must be real floating point, got {t.dtype}; {why}. Convert "
+            "explicitly: positions.to(torch.float64) (numpy: positions.astype(np.float64))."
+        )
 
 
 def _check_rows(where: str, t: torch.Tensor, meta: ShardMeta) -> None:
