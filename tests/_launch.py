@@ -63,3 +63,16 @@ def shared_run(worker: pathlib.Path, world: int, tmp_path_factory, args: Sequenc
 def read_ranks(folder: pathlib.Path, world: int, result: str = "rank{rank}.json") -> list[dict]:
     """The JSON each rank wrote into `folder`."""
     return [json.loads((folder / result.format(rank=r)).read_text()) for r in range(world)]
+
+
+def launch_with_log(worker: pathlib.Path, world: int, out_dir: pathlib.Path, args: Sequence[str] = (), *,
+                    timeout_s: float = 240, env: Mapping[str, str] | None = None,
+                    master_port: int | None = None) -> tuple[int, str]:
+    """(exit code, the launcher's whole log) of `worker OUT_DIR *args` on `world` CPU processes; never fails the
+    test, for tests that judge a failing run."""
+    full_env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), **(env or {}))
+    full_env.pop("XLA_FLAGS", None)
+    log = io.StringIO()
+    code = launch([str(worker), str(out_dir), *args], world, timeout_s=timeout_s, env=full_env, out=log,
+                  master_port=master_port)
+    return code, log.getvalue()

@@ -20,7 +20,9 @@ Where JAX's coordinator listens (process 0 binds `[::]:port`), first match wins:
    the first host of `SLURM_STEP_NODELIST` and port 61440 + `SLURM_JOB_ID` % 4096.
 
 Rank 0 test-binds the port first: a busy port is an error naming the fix, not
-the segfault gRPC gives. Under `srun torchrun` the torchrun variables win, and
+the segfault gRPC gives. Every rank of a multi-process job then runs a watchdog
+(`torch/watchdog.py`): a rank that raises, stalls, dies or never joins ends the
+job promptly, and the message names it. Under `srun torchrun` the torchrun variables win, and
 JAX's cluster detection is switched off so SLURM's cannot override them.
 """
 
@@ -35,9 +37,23 @@ import re
 import socket
 from collections.abc import Mapping, Sequence
 
-_STATE: dict[str, "ProcessInfo"] = {}
+if __package__:
+    from . import faults, watchdog
+else:  # this file loaded alone, without the torch package (tests/torch/torchrun_worker.py skips importing torch)
+    import importlib
+    import pathlib
+    import sys
+    import types
+
+    _siblings = sys.modules.setdefault("_jaxbridge_torch_files", types.ModuleType("_jaxbridge_torch_files"))
+    _siblings.__path__ = [str(pathlib.Path(__file__).parent)]  # its siblings by path, the package's __init__ skipped
+    faults = importlib.import_module("_jaxbridge_torch_files.faults")
+    watchdog = importlib.import_module("_jaxbridge_torch_files.watchdog")
+
+_STATE: dict[str, object] = {}  # "info": this process's ProcessInfo, "watchdog": its Watchdog
 SLURM_PORT_BASE = 61440  # JAX's SLURM detector: the top 4096 ports, offset by the job id
 _KEY = "nvalchemi_jaxbridge/jax_coordinator"
+JOIN_MARGIN_S = 10  # JAX's own join and heartbeat timeouts end this much later than ours, so ours speak first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,6 +306,7 @@ def initialize(
     local_device_ids: Sequence[int] | None = None,
     timeout_s: int = 60,
     platform: str | None = None,
+    watchdog_s: float | None = None,
 ) -> ProcessInfo:
     """Bring up `jax.distributed` for one process per device.
 
@@ -313,6 +330,11 @@ def initialize(
         local_device_ids: GPU ids this process drives (default `[LOCAL_RANK]`).
         timeout_s: how long to wait for all processes to join (and for rank 0's address).
         platform: "cpu" or "gpu" (default: `$JAX_PLATFORMS`, else GPU if torch sees one).
+        watchdog_s: a rank whose program has not moved for this long in its own code while
+            another waits for it, or that sent no heartbeat for this long, ends the job naming
+            it (default `$NVALCHEMI_JAXBRIDGE_WATCHDOG_S`, else 60; 0 turns stall detection
+            off). Whatever the limit, an uncaught exception on any rank ends every rank within
+            about a second (see `torch/watchdog.py`).
 
     Returns:
         The resolved `ProcessInfo`; calling again returns it unchanged.
@@ -320,7 +342,9 @@ def initialize(
     Raises:
         ValueError: a needed variable is missing or inconsistent (the message names it).
         RuntimeError: JAX already ran a computation in this process; the coordinator
-            port is busy; torchrun's store is unreachable or rank 0 never published.
+            port is busy; torchrun's store is unreachable or rank 0 never published; this
+            rank's world size differs from rank 0's. A rank that cannot join within
+            `timeout_s` prints why and exits with code 124 (JAX would abort it later).
 
     Example:
         >>> info = initialize()   # under `torchrun --nproc-per-node 2 train.py`
@@ -328,6 +352,7 @@ def initialize(
     if "info" in _STATE:
         return _STATE["info"]
     import jax
+    from jax._src import distributed as jax_distributed
     from jax._src import xla_bridge
 
     coord, world, rank, local, source = resolve(
@@ -357,16 +382,27 @@ def initialize(
         extra = {}
         if "cluster_detection_method" in inspect.signature(jax.distributed.initialize).parameters:
             extra["cluster_detection_method"] = "deactivate"  # our values stand; SLURM's must not fill in
-        jax.distributed.initialize(
-            coordinator_address=coord,
-            num_processes=world,
-            process_id=rank,
-            local_device_ids=ids,
-            initialization_timeout=timeout_s,
-            heartbeat_timeout_seconds=max(10, timeout_s // 2),
-            shutdown_timeout_seconds=max(10, timeout_s // 2),
-            **extra,
-        )
+        limit = faults.watchdog_seconds(watchdog_s)
+        timer = faults.exit_after(timeout_s, lambda: faults.join_failure(coord, world, rank, timeout_s),
+                                  faults.STALL_EXIT)
+        try:
+            jax.distributed.initialize(
+                coordinator_address=coord,
+                num_processes=world,
+                process_id=rank,
+                local_device_ids=ids,
+                initialization_timeout=timeout_s + JOIN_MARGIN_S,  # ours ends the rank first, with a reason
+                # JAX aborts every rank on a missed heartbeat: later than the watchdog, which names the rank
+                heartbeat_timeout_seconds=max(10, timeout_s // 2, int(limit) + JOIN_MARGIN_S),
+                shutdown_timeout_seconds=max(10, timeout_s // 2),
+                **extra,
+            )
+        finally:
+            timer.cancel()
+        client = jax_distributed.global_state.client
+        if client is not None:  # None only where a test stands in for jax.distributed
+            _STATE["watchdog"] = watchdog.Watchdog(client, rank, world, limit).start()
+            faults.check_world_size(client, world, rank, timeout_s)
     info = ProcessInfo(rank, world, local, coord, plat, source)
     _STATE["info"] = info
     return info
@@ -382,8 +418,16 @@ def process_info() -> ProcessInfo:
 
 
 def shutdown() -> None:
-    """Leave `jax.distributed` (a no-op for world size 1)."""
+    """Leave `jax.distributed` (a no-op for world size 1).
+
+    This rank first waits until every rank has arrived here; if another rank fails,
+    stalls or dies meanwhile, the process exits at once (code 75, see `torch/faults.py`)
+    instead of waiting in JAX's shutdown barrier for a rank that will never come.
+    """
     info = _STATE.pop("info", None)
+    guard = _STATE.pop("watchdog", None)
+    if guard is not None:
+        guard.finish()
     if info is not None and info.world_size > 1:
         import jax
 

@@ -6,6 +6,12 @@ has no store to publish one in, unlike torchrun), starts N processes of
 `script.py` and prefixes their output with `[rank k]`. On the first failure it
 names the rank that failed first in time, repeats that rank's last lines and
 kills the others; on the global timeout it kills all of them.
+
+"First in time" is the time of the fault, not of the exit: each rank's watchdog
+(`torch/watchdog.py`) leaves a record in `$NVALCHEMI_JAXBRIDGE_FAULT_DIR` (a
+folder the launcher makes) saying which rank is at fault and since when, so a
+rank that stalled, or that raised while another rank exited first, is named;
+a rank that died without a record (killed, segfault) counts from its exit.
 """
 
 from __future__ import annotations
@@ -13,15 +19,18 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
 from .distributed import free_port
+from .faults import ENV_FAULT_DIR, FaultRecord, read_fault_files
 
 TIMEOUT_EXIT = 124
 TAIL_LINES = 20
@@ -38,12 +47,44 @@ def _pump(stream: TextIO, prefix: str, out: TextIO, lock: threading.Lock, tail: 
     stream.close()
 
 
-def _wait(p: subprocess.Popen, rank: int, exits: list[tuple[int, int]], cond: threading.Condition) -> None:
-    """Record (rank, exit code) in `exits` when the child ends, so `exits` is in order of time."""
+def _wait(p: subprocess.Popen, rank: int, exits: list[tuple[int, int, float]], cond: threading.Condition) -> None:
+    """Record (rank, exit code, when) in `exits` when the child ends, so `exits` is in order of time."""
     code = p.wait()
     with cond:
-        exits.append((rank, code))
+        exits.append((rank, code, time.time()))
         cond.notify_all()
+
+
+def _exit_code(code: int) -> int:
+    """A shell-style exit code: 128 + N for a child killed by signal N."""
+    return 128 - code if code < 0 else code
+
+
+def _describe(code: int) -> str:
+    """'exited with 1', or 'exited with 137 (killed by SIGKILL)'."""
+    if code >= 0:
+        return f"exited with {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"exited with {_exit_code(code)} (killed by {name})"
+
+
+def first_fault(exits: Sequence[tuple[int, int, float]], records: Sequence[FaultRecord]) -> tuple[int, str | None]:
+    """(rank at fault, its record's message or None) of the fault that began first.
+
+    Records that name a culprit and exits of ranks that left no record (killed, segfault,
+    a script without the watchdog) compete by time; records that only say a peer's
+    connection dropped count when nothing else is known.
+    """
+    recorded = {r.rank for r in records}
+    events = [(r.time, r.blame, r.message) for r in records if r.blame is not None]
+    events += [(t, rank, None) for rank, code, t in exits if code != 0 and rank not in recorded]
+    if not events:
+        events = [(r.time, r.rank, r.message) for r in records] or [(t, rank, None) for rank, _, t in exits]
+    _, rank, message = min(events, key=lambda e: e[0])
+    return rank, message
 
 
 def _kill(procs: Sequence[subprocess.Popen]) -> None:
@@ -90,7 +131,8 @@ def launch(
 
     Returns:
         0 if every process exited 0; the exit code of the rank that failed first
-        in time otherwise (`124` on timeout).
+        in time otherwise (of the rank that noticed, if that one was still running,
+        e.g. stalled; `124` on timeout).
     """
     if nprocs < 1:
         raise ValueError(f"launch: -n must be >= 1, got {nprocs}")
@@ -106,12 +148,24 @@ def launch(
         while jax_port == port:  # MASTER_PORT is torch.distributed's, never JAX's
             jax_port = free_port()
         base["JAX_COORDINATOR_PORT"] = str(jax_port)
+    own_dir = None if base.get(ENV_FAULT_DIR) else tempfile.mkdtemp(prefix="jaxbridge-faults-")
+    if own_dir is not None:
+        base[ENV_FAULT_DIR] = own_dir
+    try:
+        return _run(argv, nprocs, timeout_s, base, out)
+    finally:
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)
+
+
+def _run(argv: Sequence[str], nprocs: int, timeout_s: float, base: Mapping[str, str], out: TextIO) -> int:
+    """Start the ranks, watch them, report the first fault; the launcher's exit code."""
     lock, cond = threading.Lock(), threading.Condition()
     procs: list[subprocess.Popen] = []
     threads: list[threading.Thread] = []
     pumps: list[threading.Thread] = []
     tails = [collections.deque(maxlen=TAIL_LINES) for _ in range(nprocs)]
-    exits: list[tuple[int, int]] = []  # (rank, code) in the order the children ended
+    exits: list[tuple[int, int, float]] = []  # (rank, code, when) in the order the children ended
     for rank in range(nprocs):
         child_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
         p = subprocess.Popen(
@@ -135,18 +189,12 @@ def launch(
     try:
         while True:
             with cond:
-                cond.wait_for(lambda: len(exits) == nprocs or any(c != 0 for _, c in exits),
+                cond.wait_for(lambda: len(exits) == nprocs or any(c != 0 for _, c, _ in exits),
                               timeout=max(0.0, min(0.5, deadline - time.monotonic())))
                 done = list(exits)
-            failed = [(r, c) for r, c in done if c != 0]
+            failed = [(r, c) for r, c, _ in done if c != 0]
             if failed:
-                rank, code = failed[0]  # the first to fail in time; the others often fail because of it
-                code = 128 - code if code < 0 else code  # killed by a signal
-                pumps[rank].join(timeout=2.0)  # its last lines
-                tail = "".join(f"[launch] | {line}\n" for line in tails[rank])
-                with lock:
-                    out.write(f"[launch] rank {rank} exited with {code} first; stopping the others\n"
-                              f"[launch] last {len(tails[rank])} lines of rank {rank}:\n{tail}")
+                code = _report(failed, done, pumps, tails, procs, base[ENV_FAULT_DIR], out, lock)
                 break
             if len(done) == nprocs:
                 break
@@ -161,6 +209,27 @@ def launch(
         _kill(procs)
         for t in threads:
             t.join(timeout=5.0)
+    return code
+
+
+def _report(failed, done, pumps, tails, procs, fault_dir: str, out: TextIO, lock: threading.Lock) -> int:
+    """Name the rank at fault and repeat its last lines; the exit code to return (the culprit's if it exited)."""
+    pumps[failed[0][0]].join(timeout=2.0)  # the first to exit: its record is written, its last lines read
+    rank, message = first_fault(done, read_fault_files(fault_dir))
+    codes = dict(failed)
+    if rank in codes:
+        pumps[rank].join(timeout=2.0)
+    elif procs[rank].poll() is None:  # stalled and still running: stop it so its last lines are complete
+        _kill([procs[rank]])
+        pumps[rank].join(timeout=2.0)
+    code = _exit_code(codes.get(rank, failed[0][1]))
+    if message is None:
+        head = f"[launch] rank {rank} {_describe(codes.get(rank, failed[0][1]))} first; stopping the others\n"
+    else:
+        head = f"[launch] rank {rank} failed first: {message}; stopping the others\n"
+    tail = "".join(f"[launch] | {line}\n" for line in tails[rank])
+    with lock:
+        out.write(f"{head}[launch] last {len(tails[rank])} lines of rank {rank}:\n{tail}")
     return code
 
 
