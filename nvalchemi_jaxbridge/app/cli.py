@@ -62,7 +62,8 @@ def _run(args: argparse.Namespace) -> int:
                          "--thermo": args.thermo})
     if is_model:
         return _run_model(args)
-    every = {k: getattr(args, k) for k in ("trajectory_every", "thermo_every") if getattr(args, k) is not None}
+    every = {k: getattr(args, k) for k in ("trajectory_every", "thermo_every", *_LIMITS)
+             if getattr(args, k) is not None}
     config = run_config.RunConfig(
         system=args.system, spec=args.spec, kernel=args.kernel, devices=args.devices, steps=args.steps,
         dt=args.dt, temperature=args.temperature, langevin=args.langevin, cells=args.cells, seed=args.seed,
@@ -76,13 +77,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot:
         report.plot_run(result, args.plot)
         print(f"wrote {args.plot}")
+    _say_stop(result)
     return 0 if result.ok else 1
 
 
 def _run_model(args: argparse.Namespace) -> int:
     from . import model_run, report
 
-    given = {k: getattr(args, k) for k in ("dt", "temperature", "cells", "skin") if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in ("dt", "temperature", "cells", "skin", *_LIMITS)
+             if getattr(args, k) is not None}
     config = model_run.ModelRunConfig(
         model=args.model, checkpoint=args.checkpoint, seed=args.seed, devices=args.devices,
         exchange=args.exchange or "per_layer", steps=args.steps, structure=args.structure,
@@ -91,7 +94,18 @@ def _run_model(args: argparse.Namespace) -> int:
     result = _with_progress(args, config.steps, "NVE", lambda progress: model_run.run_model(config, progress=progress))
     print(report.format_model_run(result))
     _write_json(args, result)
+    _say_stop(result)
     return 0 if result.ok else 1
+
+
+#: The blow-up thresholds (`app/guards.py`), options of both kinds of run.
+_LIMITS = ("max_energy", "max_temperature", "max_energy_jump")
+
+
+def _say_stop(result: Any) -> None:
+    """A run that a guard stopped says why on stderr too (the report and JSON carry it as `stop`)."""
+    if result.stop is not None:
+        print(f"error: {result.stop['message']}", file=sys.stderr)
 
 
 def _with_progress(args: argparse.Namespace, total: int, desc: str, run: Any) -> Any:
@@ -247,7 +261,16 @@ def _add_run_parser(groups: Any) -> None:
                      help="read the system from a file in any format ase.io reads (default: generated)")
     run.add_argument("--skin", type=float, default=None,
                      help="Verlet skin of the halo plan, Å (default 1.0; 0.5 with --model)")
-    run.add_argument("--check-every", type=int, default=10, help="steps between host rebuild checks (default 10)")
+    run.add_argument("--check-every", type=int, default=10,
+                     help="steps between host checks (each step's displacement flag and energies are read, the plan "
+                          "rebuilt if needed); also checked at the last step (default 10)")
+    run.add_argument("--max-energy", type=float, default=None, metavar="EV",
+                     help="stop the run once |potential energy| per atom passes this, eV (default 1000)")
+    run.add_argument("--max-temperature", type=float, default=None, metavar="K",
+                     help="stop the run once the temperature passes this, K (default 1e6)")
+    run.add_argument("--max-energy-jump", type=float, default=None, metavar="REL",
+                     help="stop the run once the total energy changes in one step by more than this fraction of "
+                          "|E_pot| + E_kin (default 1)")
     run.add_argument("--dtype", choices=("float32", "float64"), default=None,
                      help="floating point type (default float64 on the CPU, float32 on GPUs)")
     run.add_argument("--rtol", type=float, default=None,

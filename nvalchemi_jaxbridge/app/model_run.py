@@ -72,6 +72,8 @@ class ModelRunConfig:
         check_every: steps between host rebuild checks.
         dtype: "float64" or "float32" (default float64 on the CPU, float32 on GPUs); the model is cast to it.
         rtol: parity tolerance on each relative difference (default 1e-8 in float64, 1e-4 in float32).
+        max_energy, max_temperature, max_energy_jump: the run stops past `abs(E_pot)` per atom (eV), the
+            temperature (K) or the relative total-energy jump between checks (`guards.Limits`).
     """
 
     model: str | None = "mpnn"
@@ -88,6 +90,9 @@ class ModelRunConfig:
     check_every: int = 10
     dtype: str | None = None
     rtol: float | None = None
+    max_energy: float = 1e3
+    max_temperature: float = 1e6
+    max_energy_jump: float = 1.0
 
     def __post_init__(self):
         if self.model is None and self.checkpoint is None:
@@ -99,14 +104,22 @@ class ModelRunConfig:
         for name in ("steps", "check_every", "cells"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "steps" else 1):
-                raise ValueError(f"run: {name} must be an int >= {0 if name == 'steps' else 1}, got {v!r}.")
+                raise ValueError(f"run: --{name.replace('_', '-')} must be an int >= {0 if name == 'steps' else 1}, "
+                                 f"got {v!r}.")
         for name in ("dt", "temperature", "skin", "rtol"):
             v = getattr(self, name)
             positive = name == "dt"
             if v is not None and not (np.isfinite(v) and (v > 0 if positive else v >= 0)):
-                raise ValueError(f"run: {name} must be a finite number {'> 0' if positive else '>= 0'}, got {v!r}.")
+                raise ValueError(f"run: --{name} must be a finite number {'> 0' if positive else '>= 0'}, got {v!r}.")
         if self.dtype not in (None, "float32", "float64"):
             raise ValueError(f"run: dtype must be 'float32' or 'float64', got {self.dtype!r}.")
+        self.limits()
+
+    def limits(self) -> Any:
+        """The run's blow-up thresholds (`guards.Limits`; raises ValueError on a bad one)."""
+        from .guards import Limits
+
+        return Limits(self.max_energy, self.max_temperature, self.max_energy_jump)
 
     def tolerance(self, dtype: str) -> float:
         """The parity tolerance for a run in `dtype`."""
@@ -305,11 +318,14 @@ class ModelRunReport:
     rebuilds: int
     time_per_step_s: float
     wall_s: float
+    steps_done: int = 0  # NVE steps run (fewer than `steps` when a guard stopped the run)
+    stop: dict[str, Any] | None = None  # why the run stopped early (`guards.Stop.to_dict()`), or None
 
     @property
     def ok(self) -> bool:
-        """Energy, forces and stress all within `rtol` (relative to the reference's largest value)."""
-        return all(v <= self.rtol for k, v in self.parity.items() if k in ("energy_rel", "forces_rel", "stress_rel"))
+        """No guard stopped the run; energy, forces and stress all within `rtol` of the reference."""
+        return self.stop is None and all(
+            v <= self.rtol for k, v in self.parity.items() if k in ("energy_rel", "forces_rel", "stress_rel"))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field plus `ok`."""
@@ -335,6 +351,7 @@ def run_model(config: ModelRunConfig, *, progress: Callable[[int], Any] | None =
     from ..mlip import DistributedMLIP
     from ..mlip.dynamics import nve
     from ..mlip.jax_model import build_layout
+    from . import guards
     from .run_config import configure_jax
 
     t_start = time.perf_counter()
@@ -362,10 +379,14 @@ def run_model(config: ModelRunConfig, *, progress: Callable[[int], Any] | None =
         if progress is not None:
             progress(step)
 
-    traj = {"energy": {0: got["energy"]}, "rebuilds": 0}
+    traj = {"energy": {0: got["energy"]}, "rebuilds": 0, "steps": 0}
+    watch = guards.Watch(config.limits(), len(pos))
     if config.steps:
-        traj = nve(model, pos, s.velocities, s.masses, z, cell, pbc, steps=config.steps, dt=config.dt,
-                   check_every=config.check_every, on_step=on_step)
+        guards.check_first_step(guards.first_step_displacement(s.velocities, got["forces"], s.masses, config.dt),
+                                config.skin, config.dt)
+        if not watch(0, float(got["energy"]), guards.kinetic(s.velocities, s.masses)):
+            traj = nve(model, pos, s.velocities, s.masses, z, cell, pbc, steps=config.steps, dt=config.dt,
+                       check_every=config.check_every, on_step=on_step, stop_when=watch)
     per_step = ((marks[-1][1] - marks[0][1]) / (marks[-1][0] - marks[0][0]) if len(marks) > 1 else float("nan"))
     return ModelRunReport(
         model=wrapper.name, source=config.checkpoint or f"seeded random weights (seed {config.seed})",
@@ -379,4 +400,5 @@ def run_model(config: ModelRunConfig, *, progress: Callable[[int], Any] | None =
         compile_s=float(compile_s), steps=config.steps, dt=float(config.dt),
         nve_energy={int(k): float(v) for k, v in traj["energy"].items()}, rebuilds=int(traj["rebuilds"]),
         time_per_step_s=float(per_step), wall_s=float(time.perf_counter() - t_start),
+        steps_done=int(traj["steps"]), stop=None if watch.stop is None else watch.stop.to_dict(),
     )

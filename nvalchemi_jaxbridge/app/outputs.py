@@ -106,10 +106,12 @@ class Thermo:
 
 
 class Recorder:
-    """The host's record of a run: every step's energies, and the frames and rows the outputs ask for.
+    """The host's record of a run: every step's values, and the frames and rows the outputs ask for.
 
-    Call `start` with the initial state, `step` after each step (no host sync), `flush` at each host
-    check (one transfer of the energies since the last one), and `finish` at the end.
+    Call `start` with the initial state, `step` after each step (no host sync), `pull` at each host
+    check (one transfer of the values since the last one), `truncate` to drop steps that will be run
+    again, `flush` to write the due rows and frames, and `finish` at the end. A step's values are
+    `[e_pot, e_kin, moved]` (eV, eV, Å; the displacement is kept, not written).
 
     Args:
         config: the `RunConfig` (`trajectory`, `trajectory_every`, `thermo`, `thermo_every`, `steps`).
@@ -122,8 +124,9 @@ class Recorder:
         self.steps, self.dt, self.n, self.progress = config.steps, dt, system.n_atoms, progress
         self.traj = Trajectory(config.trajectory, config.trajectory_every, system) if config.trajectory else None
         self.thermo = Thermo(config.thermo, config.thermo_every, system.n_atoms) if config.thermo else None
-        self.energies: list[Any] = []  # device [e_pot, e_kin] of steps 1, 2, ...
-        self.host: list[np.ndarray] = []  # their host copies, flushed so far
+        self.energies: list[Any] = []  # device values of steps 1, 2, ...
+        self.host = np.zeros((0, 3))  # their host copies, pulled so far
+        self.written = 0  # steps whose thermo rows are written
         self._frames: list[tuple[int, Any, Any]] = []  # (step, compiled spec, state) still on the device
         self._dof = max(3 * system.n_atoms - 3, 1)
 
@@ -144,29 +147,43 @@ class Recorder:
         if self._wants(self.traj, step):
             self._frames.append((step, cs, state))
 
-    def flush(self) -> np.ndarray:
-        """Copy the energies since the last flush to the host, write the due rows and frames; all host energies."""
+    def pull(self) -> np.ndarray:
+        """Copy the values since the last pull to the host; all host values `(steps so far, columns)`."""
         import jax
 
-        done = sum(len(h) for h in self.host)
+        done = len(self.host)
         if len(self.energies) > done:
-            block = np.asarray(jax.device_get(self.energies[done:]), dtype=np.float64).reshape(-1, 2)
-            self.host.append(block)
+            block = np.asarray(jax.device_get(self.energies[done:]), dtype=np.float64).reshape(
+                len(self.energies) - done, -1)
+            self.host = block if done == 0 else np.concatenate([self.host, block])
+        return self.host
+
+    def truncate(self, step: int) -> None:
+        """Forget the steps after `step` (not yet written), to be run again."""
+        assert step >= self.written, f"Recorder.truncate({step}): steps up to {self.written} are written"
+        del self.energies[step:]
+        self.host = self.host[:step]
+        self._frames = [f for f in self._frames if f[0] <= step]
+
+    def flush(self) -> np.ndarray:
+        """Pull, then write the due rows and frames; all host values."""
+        host = self.pull()
+        if len(host) > self.written:
             if self.thermo is not None:
-                steps = range(done + 1, done + 1 + len(block))
-                self.thermo.write([(s, s * self.dt, float(e[0]), float(e[1])) for s, e in zip(steps, block)
-                                   if self._wants(self.thermo, s)])
+                self.thermo.write([(s, s * self.dt, float(host[s - 1, 0]), float(host[s - 1, 1]))
+                                   for s in range(self.written + 1, len(host) + 1) if self._wants(self.thermo, s)])
             if self.progress is not None:
                 from ..demo.units import KB_EV
 
-                e_pot, e_kin = block[-1]
-                self.progress(done + len(block), temperature=2.0 * e_kin / (self._dof * KB_EV),
+                e_pot, e_kin = host[-1, :2]
+                self.progress(len(host), temperature=2.0 * e_kin / (self._dof * KB_EV),
                               energy=(e_pot + e_kin) / self.n)
+            self.written = len(host)
         self._write_frames()
-        return np.concatenate(self.host) if self.host else np.zeros((0, 2))
+        return host
 
     def finish(self) -> np.ndarray:
-        """The last flush; the host energies `(steps, 2)` of every step."""
+        """The last flush; the host values `(steps, columns)` of every step kept."""
         return self.flush()
 
     def _write_frames(self) -> None:

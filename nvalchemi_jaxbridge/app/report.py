@@ -201,7 +201,7 @@ def format_run(report: Any) -> str:
         f"  parity       step 1 vs {r.parity_reference}; tolerance {r.rtol:g} (relative to the reference's "
         "largest value):",
         f"               forces max abs {r.parity_force_max_abs_eV_per_A:.3e} eV/Å, max rel {r.parity_force_max_rel:.3e}; "
-        f"energy rel {r.parity_energy_rel:.3e}  {'ok' if r.ok else 'FAIL'}",
+        f"energy rel {r.parity_energy_rel:.3e}  {'ok' if r.parity_ok else 'FAIL'}",
         f"  halo         {r.halo_ghost_rows} ghost rows; per step {r.halo_rows_per_step} rows / "
         f"{_fmt_bytes(r.halo_bytes_per_step)} between devices ({_fmt_bytes(r.halo_padded_bytes_per_step)} with padding)",
     ]
@@ -212,18 +212,28 @@ def format_run(report: Any) -> str:
         f"  balance      owned atoms per device {owned.tolist()}: min {owned.min()}, max {owned.max()}, "
         f"imbalance {100 * r.load_imbalance:.1f}% (max/mean - 1)",
         f"               ghosts per device {list(r.ghosts_per_device)}",
-        f"  rebuilds     {len(r.rebuilds)} (at steps {list(r.rebuilds)[:10]}{' ...' if len(r.rebuilds) > 10 else ''}); "
-        f"all atoms accounted for after each"
-        + (f"; criterion exceeded before the check at {list(r.late_rebuilds)}" if r.late_rebuilds else "")
+        f"  rebuilds     {len(r.rebuilds)} (at steps {list(r.rebuilds)[:10]}{' ...' if len(r.rebuilds) > 10 else ''})"
+        + ("; all atoms accounted for after each" if r.rebuilds else "")
+        + (f"; steps after {list(r.late_rebuilds)} run again on a plan rebuilt there (an atom passed skin/2 "
+           "before the check)" if r.late_rebuilds else "")
         + (f"; capacities grown: {', '.join(describe_capacity(g) for g in r.grown)}" if r.grown else ""),
+        f"  displacement largest since its plan {r.max_displacement_A:.3f} Å over {r.steps_done} steps (skin/2 = "
+        f"{r.skin_A / 2:g} Å), flagged in every step's program, read at {r.host_checks} host check(s)",
         f"  temperature  initial {r.initial_temperature_K:.1f} K, final {r.final_temperature_K:.1f} K",
     ]
     written = [f"{what} {path} ({count} {'frames' if what == 'trajectory' else 'rows'})"
                for what, (path, count) in r.outputs.items()]
     if written:
         lines.append(f"  outputs      {'; '.join(written)}")
-    lines.append("  result       " + ("ok" if r.ok else "FAILED: parity outside tolerance"))
+    lines.append("  result       " + _result(r))
     return "\n".join(lines)
+
+
+def _result(r: Any) -> str:
+    """The report's last word: ok, the guard that stopped the run, or the parity failure."""
+    if r.stop is not None:
+        return f"STOPPED after {r.steps_done} of {r.steps} steps: {r.stop['message']}"
+    return "ok" if r.ok else "FAILED: parity outside tolerance"
 
 
 def plot_run(report: Any, path: str) -> None:
@@ -287,5 +297,5 @@ def format_model_run(report: Any) -> str:
         lines.append(
             f"  nve          {r.steps} steps of {r.dt:g} fs: potential energy {e[steps[0]]:.6f} -> {e[steps[-1]]:.6f} eV; "
             f"{r.rebuilds} layout(s) built; {1e3 * r.time_per_step_s:.1f} ms/step")
-    lines += [f"  wall         {r.wall_s:.1f} s", "  result       " + ("ok" if r.ok else "FAILED: parity outside tolerance")]
+    lines += [f"  wall         {r.wall_s:.1f} s", "  result       " + _result(r)]
     return "\n".join(lines)

@@ -54,6 +54,8 @@ class RunConfig:
             (default 1e-8 in float64, 1e-4 in float32).
         trajectory, trajectory_every: extended XYZ file to append a frame to every `trajectory_every` steps.
         thermo, thermo_every: CSV file of step, time, temperature and energies every `thermo_every` steps.
+        max_energy, max_temperature, max_energy_jump: the run stops past `abs(E_pot)` per atom (eV), the
+            temperature (K) or the relative total-energy jump of one step (`guards.Limits`).
     """
 
     system: str | None = None
@@ -77,6 +79,9 @@ class RunConfig:
     trajectory_every: int = 10
     thermo: str | None = None
     thermo_every: int = 10
+    max_energy: float = 1e3
+    max_temperature: float = 1e6
+    max_energy_jump: float = 1.0
 
     def __post_init__(self):
         if self.system is not None and self.system not in SYSTEMS:
@@ -104,12 +109,13 @@ class RunConfig:
         for name in ("steps", "check_every", "trajectory_every", "thermo_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"run: {name} must be a positive int, got {v!r}.")
+                raise ValueError(f"run: --{name.replace('_', '-')} must be a positive int, got {v!r}.")
         for name in ("dt", "temperature", "langevin", "skin", "rtol"):
             v = getattr(self, name)
             zero_ok = name in ("temperature", "skin", "rtol")
             if v is not None and not (np.isfinite(v) and v >= 0 and (v > 0 or zero_ok)):
-                raise ValueError(f"run: {name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {v!r}.")
+                raise ValueError(f"run: --{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {v!r}.")
+        self.limits()
         if self.cells is not None and (not isinstance(self.cells, int) or self.cells < 1):
             raise ValueError(f"run: cells must be a positive int, got {self.cells!r}.")
         if self.dtype not in (None, "float32", "float64"):
@@ -124,6 +130,12 @@ class RunConfig:
     def tolerance(self, dtype: str) -> float:
         """The parity tolerance for a run in `dtype`."""
         return self.rtol if self.rtol is not None else (1e-8 if dtype == "float64" else 1e-4)
+
+    def limits(self) -> Any:
+        """The run's blow-up thresholds (`guards.Limits`; raises ValueError on a bad one)."""
+        from .guards import Limits
+
+        return Limits(self.max_energy, self.max_temperature, self.max_energy_jump)
 
 
 # ------------------------------------------------------------------ JAX setup

@@ -8,12 +8,20 @@ pytree, so a rebuilt plan with equal capacities reuses the program) and the
 state in owned storage. Inside: the force call through `CompiledSpec.call`
 (GatherInputs on positions, the kernel on every device's halo block,
 ScatterOutputs on forces, AllReduceSum on the energy), then the velocity Verlet
-(or BAOAB) update on owned rows. Every `check_every` steps the host checks the
-plan's displacement criterion; a rebuild wraps positions into the cell, builds
-the new plan, carries velocities and forces across through global-ID order and
-asserts that every atom is still owned exactly once. Step 1 is checked against a
-reference (the demo's numpy one, or the user's op on one device): `RunReport.ok` is
-False past the tolerance.
+(or BAOAB) update on owned rows, and the largest displacement of an owned atom
+from the positions the plan was built from (where the forces were computed).
+
+Every `check_every` steps (after a stale plan, as often as that plan held, then
+doubling back) and at the last step, the host reads the steps' values
+(`app/guards.py`): a runaway energy or temperature stops the run (`RunReport.stop`);
+a step whose displacement passed skin/2 had forces from a stale plan, so the steps
+since the last check are run again with the plan rebuilt at the step before (or, if
+one step from a fresh plan moved that far, the run stops). Then the host re-plans
+if an atom could pass skin/2 before the next check. A rebuild wraps positions into
+the cell, builds the new plan, carries velocities and forces across through
+global-ID order and asserts that every atom is still owned exactly once. Step 1 is
+checked against a reference (the demo's numpy one, or the user's op on one device):
+`RunReport.ok` is False past the tolerance.
 
 Call `configure_jax` before anything else touches JAX (the CLI does).
 """
@@ -28,95 +36,13 @@ from typing import Any
 
 import numpy as np
 
-from .report import describe_capacity
+from .run_report import RunReport, energy_drift  # noqa: F401  (energy_drift: part of this module's API)
+from . import guards
 from .run_config import SYSTEM_DEFAULTS, Potential, RunConfig, configure_jax, make_system, wrap
 
 
 class AtomLossError(RuntimeError):
     """A plan rebuild lost, duplicated or moved an atom (a bug: never expected)."""
-
-
-# ------------------------------------------------------------------ report
-
-
-@dataclasses.dataclass(frozen=True)
-class RunReport:
-    """What a run measured. `to_dict()` is the `--json-report` content (without the final arrays)."""
-
-    system: str
-    potential: str
-    spec: str
-    op: str
-    kernel: str
-    n_atoms: int
-    n_devices: int
-    platform: str
-    dtype: str
-    grid: tuple[int, int, int]
-    steps: int
-    dt_fs: float
-    thermostat: str
-    compile_s: float
-    time_per_step_s: float
-    wall_s: float
-    energy_per_atom_eV: tuple[float, ...]
-    energy_change_max_eV_per_atom: float
-    energy_slope_eV_per_atom_ps: float
-    parity_energy_rel: float
-    parity_force_max_abs_eV_per_A: float
-    parity_force_max_rel: float
-    parity_reference: str
-    halo_ghost_rows: int
-    halo_rows_per_step: int
-    halo_bytes_per_step: int
-    halo_padded_bytes_per_step: int
-    collectives: tuple[dict[str, Any], ...]
-    owned_per_device: tuple[int, ...]
-    ghosts_per_device: tuple[int, ...]
-    rebuilds: tuple[int, ...]
-    late_rebuilds: tuple[int, ...]
-    grown: tuple[str, ...]
-    final_temperature_K: float
-    initial_temperature_K: float
-    call_path: str = "-"  # how a torch kernel was called: "ffi" or "callback (<why>)"; "-" for a JAX kernel
-    structure: str | None = None  # the file read, or None for a generated system
-    species: dict[str, int] = dataclasses.field(default_factory=dict)  # atoms per chemical symbol
-    params: dict[str, Any] = dataclasses.field(default_factory=dict)  # the op's scalars, bound by name
-    rtol: float = 1e-8
-    outputs: dict[str, Any] = dataclasses.field(default_factory=dict)  # {"trajectory": (path, frames), ...}
-    final_positions: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
-    final_velocities: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
-
-    @property
-    def ok(self) -> bool:
-        """Step-1 energy and forces within `rtol` of the reference (relative to its largest value)."""
-        return max(self.parity_energy_rel, self.parity_force_max_rel) <= self.rtol
-
-    @property
-    def load_imbalance(self) -> float:
-        """max / mean - 1 of owned atoms per device (0 = perfectly balanced)."""
-        owned = np.asarray(self.owned_per_device, dtype=float)
-        return float(owned.max() / owned.mean() - 1.0)
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of every field but the final arrays, plus `ok` and the load balance summary."""
-        d = dataclasses.asdict(dataclasses.replace(self, final_positions=None, final_velocities=None))
-        del d["final_positions"], d["final_velocities"]
-        d["ok"] = self.ok
-        d["grown"] = [describe_capacity(g) for g in self.grown]  # in words, not the plan's field names
-        d["load_imbalance"] = self.load_imbalance
-        d["owned_min"], d["owned_max"] = min(self.owned_per_device), max(self.owned_per_device)
-        return d
-
-
-def energy_drift(total_energy: np.ndarray, n_atoms: int, dt_fs: float) -> tuple[float, float]:
-    """(max |E(t) - E(0)| / N, |slope| of a linear fit of E(t)/N in eV/ps)."""
-    e = np.asarray(total_energy, dtype=np.float64) / n_atoms
-    drift = float(np.max(np.abs(e - e[0]))) if e.size else 0.0
-    if e.size < 2:
-        return drift, 0.0
-    t_ps = np.arange(e.size) * dt_fs * 1e-3
-    return drift, float(abs(np.polyfit(t_ps, e, 1)[0]))
 
 
 # ------------------------------------------------------------------ the job
@@ -191,6 +117,7 @@ def run(config: RunConfig, *, progress: Callable[..., Any] | None = None) -> Run
             "inv_mass": cs.owned((1.0 / (MVV2E * sys_.masses)).astype(dtype)),
             "ids": cs.owned(np.arange(n, dtype=np.int32)),
             "mask": cs.owned(np.ones(n, dtype=bool)),
+            "reference": cs.owned(cs.plan.reference_positions.astype(dtype), positions=True),  # padding parked
         }
         if charged:
             lay["charges"] = cs.owned(sys_.charges.astype(dtype))
@@ -230,7 +157,9 @@ def run(config: RunConfig, *, progress: Callable[..., Any] | None = None) -> Run
         energy, f = forces(cs, x, lay)
         v = v + 0.5 * dt * f * inv_m
         kinetic = 0.5 * MVV2E * jnp.sum(lay["masses"][:, None] * v * v)
-        return md.MDState(x, v, f, energy), jnp.stack([energy, kinetic])
+        d = x - lay["reference"]  # where this step's forces were computed, against the plan's positions
+        moved = jnp.sqrt(jnp.max(jnp.sum(d * d, axis=1)))
+        return md.MDState(x, v, f, energy), jnp.stack([energy, kinetic, moved.astype(energy.dtype)])
 
     step_fn = jax.jit(step)
     init_fn = jax.jit(forces)
@@ -252,35 +181,78 @@ def run(config: RunConfig, *, progress: Callable[..., Any] | None = None) -> Run
     state = place(cs, sys_.positions, sys_.velocities, None, lay)
     e_kin0 = float(0.5 * MVV2E * np.sum(sys_.masses[:, None] * sys_.velocities**2))
     e0 = float(state.energy) + e_kin0
+    guards.check_first_step(guards.first_step_displacement(sys_.velocities, cs.to_global(state.forces), sys_.masses,
+                                                           dt), config.skin, dt)
     rec.start(cs, state, float(state.energy), e_kin0)
     loop = _Loop(cs, lay, state)
     key = jax.random.key(config.seed)
     rebuilds: list[int] = []
     late: list[int] = []
     grown: list[str] = []
-    parity = None
+    parity = (float("nan"),) * 3
     t_first = None
-    for i in range(config.steps):
-        loop.state, en = step_fn(loop.cs, loop.state, loop.layout, jax.random.fold_in(key, i))
-        rec.step(i + 1, loop.cs, loop.state, en)
-        if i == 0:
+    limits, half = config.limits(), config.skin / 2
+    row0 = (float(state.energy), e_kin0)
+    stop = guards.check_rows([row0], 0, n, limits)
+    ckpt, fresh, checks = (loop, 0), True, 0  # the last host check: its loop, step, and whether its plan was new
+    i, rebuild_at, stale1, every = 0, None, False, config.check_every  # `every`: the current check interval
+    while stop is None and i < config.steps:
+        new, en = step_fn(loop.cs, loop.state, loop.layout, jax.random.fold_in(key, i))
+        loop, i = dataclasses.replace(loop, state=new), i + 1
+        rec.step(i, loop.cs, loop.state, en)
+        if i == 1 and t_first is None:
             jax.block_until_ready(loop.state)
             t_first = time.perf_counter()
-            parity = _parity(loop.cs, loop.state, pot, sys_, float(en[0]))
+            stale1 = not float(en[2]) <= half  # a stale step 1 is checked (and stops the run) at once
+            if not stale1:
+                parity = _parity(loop.cs, loop.state, pot, sys_, float(en[0]))
             if progress is not None:
                 progress(1, phase="MD")
-        if (i + 1) % config.check_every == 0 and i + 1 < config.steps:
+        if i == rebuild_at:  # replayed up to the last step the plan held for: re-plan there
+            rebuild_at = None
+            loop = _rebuild(loop, i, sys_, layout, place, rebuilds, grown)
+            ckpt, fresh = (loop, i), True
+        elif i >= ckpt[1] + every or i == config.steps or (i == 1 and stale1):
+            checks += 1
+            c, rows = ckpt[1], rec.pull()
+            bad = np.flatnonzero(~(rows[c:i, 2] <= half))  # NaN counts as moved too far
+            upto = i if bad.size == 0 else c + int(bad[0])
+            stop = guards.check_rows(rows[c:upto], c + 1, n, limits, previous=rows[c - 1] if c else row0)
+            if stop is None and bad.size:
+                s = upto + 1  # the first step whose forces came from a plan it had moved too far from
+                if s == c + 1 and fresh:
+                    stop = guards.stale_step(s, float(rows[upto, 2]), config.skin)
+                else:
+                    print(f"note: step {s}: an atom moved {rows[upto, 2]:.3f} Å > skin/2 = {half:.3f} Å since its "
+                          f"plan; steps {c + 1}-{i} are run again with the plan rebuilt at step {s - 1} (raise "
+                          "--skin or lower --check-every to avoid it).", file=sys.stderr)
+                    late.append(s - 1)
+                    loop, i, every = ckpt[0], c, max(1, s - 1 - c)  # check as often as that plan held
+                    rec.truncate(c)
+                    if s - 1 > c:
+                        rebuild_at = s - 1
+                    else:
+                        loop = _rebuild(loop, c, sys_, layout, place, rebuilds, grown)
+                        ckpt, fresh = (loop, c), True
+                    continue
+            if stop is not None:  # keep the runaway step, not a step computed on a stale plan
+                i, loop = min(stop.step, upto), ckpt[0]  # the final state reported: the last check's
+                rec.truncate(i)
+                break
             rec.flush()
-            loop = _check_and_rebuild(loop, i + 1, config, sys_, layout, place, rebuilds, late, grown)
+            if i < config.steps:
+                loop, fresh = _check_and_rebuild(loop, i, dt, sys_, layout, place, rebuilds, grown, every)
+                ckpt, every = (loop, i), min(config.check_every, 2 * every)
         if progress is not None:
-            progress(i + 1)
+            progress(i)
     jax.block_until_ready(loop.state)
     t_end = time.perf_counter()
 
     e = rec.finish()
-    total = np.concatenate([[e0], e.sum(axis=1)])
+    total = np.concatenate([[e0], e[:, 0] + e[:, 1]])
     drift, slope = energy_drift(total, n, dt)
-    per_step = (t_end - t_first) / (config.steps - 1) if config.steps > 1 else t_end - t0
+    t_first = t_end if t_first is None else t_first
+    per_step = (t_end - t_first) / (i - 1) if i > 1 else t_end - t0
     vel = loop.cs.to_global(loop.state.velocities)
     final_t = float(md.temperature(jnp.asarray(vel), jnp.asarray(sys_.masses)))
     plan = loop.cs.plan
@@ -310,6 +282,8 @@ def run(config: RunConfig, *, progress: Callable[..., Any] | None = None) -> Run
         rtol=config.tolerance(dtype_name), outputs=rec.summary(),
         final_positions=loop.cs.to_global(loop.state.positions).astype(np.float64),
         final_velocities=np.asarray(vel, dtype=np.float64),
+        steps_done=i, stop=None if stop is None else stop.to_dict(), skin_A=float(config.skin),
+        max_displacement_A=float(np.max(e[:, 2], initial=0.0)), host_checks=checks,
     )
 
 
@@ -339,24 +313,24 @@ def _parity(cs: Any, state: Any, pot: Potential, sys_: Any, energy: float) -> tu
     return abs(energy - e_ref) / max(abs(e_ref), np.finfo(np.float64).tiny), err, err / scale
 
 
-def _check_and_rebuild(loop: _Loop, step: int, config: RunConfig, sys_: Any, layout: Callable, place: Callable,
-                       rebuilds: list[int], late: list[int], grown: list[str]) -> _Loop:
-    """The host rebuild check: rebuild when the plan's criterion says so, or would before the next check."""
+def _check_and_rebuild(loop: _Loop, step: int, dt: float, sys_: Any, layout: Callable, place: Callable,
+                       rebuilds: list[int], grown: list[str], check_every: int) -> tuple[_Loop, bool]:
+    """The host rebuild check: re-plan when an atom could pass skin/2 before the next check; (loop, re-planned)."""
+    pos = loop.cs.to_global(loop.state.positions).astype(np.float64)
+    vel = loop.cs.to_global(loop.state.velocities).astype(np.float64)
+    plan = loop.cs.plan
+    ahead = plan.max_displacement(pos) + check_every * dt * float(np.max(np.linalg.norm(vel, axis=1), initial=0.0))
+    if ahead <= plan.skin / 2 and not plan.needs_rebuild(pos):
+        return loop, False
+    return _rebuild(loop, step, sys_, layout, place, rebuilds, grown), True
+
+
+def _rebuild(loop: _Loop, step: int, sys_: Any, layout: Callable, place: Callable, rebuilds: list[int],
+             grown: list[str]) -> _Loop:
+    """A new plan at the loop's positions (wrapped into the cell), the state carried over and every atom checked."""
     cs = loop.cs
     pos = cs.to_global(loop.state.positions).astype(np.float64)
     vel = cs.to_global(loop.state.velocities).astype(np.float64)
-    plan = cs.plan
-    moved = plan.max_displacement(pos)
-    dt = float(config.dt if config.dt is not None else SYSTEM_DEFAULTS[config.system or "argon"][1])
-    ahead = moved + config.check_every * dt * float(np.max(np.linalg.norm(vel, axis=1), initial=0.0))
-    exceeded = plan.needs_rebuild(pos)
-    if not exceeded and ahead <= plan.skin / 2:
-        return loop
-    if exceeded:
-        late.append(step)
-        print(
-            f"warning: step {step}: an atom moved {moved:.3f} Å > skin/2 = {plan.skin / 2:.3f} Å before the "
-            f"rebuild check; raise --skin or lower --check-every.", file=sys.stderr)
     frc = cs.to_global(loop.state.forces).astype(np.float64)
     wrapped = wrap(pos, sys_.cell, sys_.periodic)
     new_cs = cs.rebuild(wrapped)

@@ -3,9 +3,13 @@
 A potential here is anything with the model-level protocol (`KernelPotential`,
 `mlip.DistributedMLIP`): `prepare`, `needs_rebuild`, `rebuild` and a pure
 `energy_fn(state, pos_owned, strain) -> (energy, node energies or None)`. The
-engine keeps the layout between calls and rebuilds it only when needed; the
-program is `jax.jit` over the state pytree, so it is traced again only when a
-capacity grows (`Engine.traces` counts the traces).
+engine keeps the layout between calls and rebuilds it only when needed: the
+program also returns the largest displacement of an owned atom from the
+positions its plan was built from, and a result computed more than skin/2 away
+(where the plan may miss pairs) is thrown away, the layout re-planned at the
+new positions and the program run again. The program is `jax.jit` over the
+state pytree, so it is traced again only when a capacity grows (`Engine.traces`
+counts the traces).
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ class _Program:
         self.traces = 0
         self.jitted = jax.jit(self._evaluate)
 
-    def _evaluate(self, state: Any, pos_owned: Any) -> tuple[Any, Any, Any, Any]:
+    def _evaluate(self, state: Any, pos_owned: Any, reference: Any) -> tuple[Any, Any, Any, Any, Any]:
         import jax
         import jax.numpy as jnp
 
@@ -80,7 +84,8 @@ class _Program:
         strain = jnp.zeros((3, 3), pos_owned.dtype)
         grad = jax.value_and_grad(self.potential.energy_fn, argnums=(1, 2), has_aux=True)
         (energy, node_e), (g_pos, g_strain) = grad(state, pos_owned, strain)
-        return energy, node_e, -g_pos, g_strain
+        d = pos_owned - reference  # padding rows are parked alike in both
+        return energy, node_e, -g_pos, g_strain, jnp.sqrt(jnp.max(jnp.sum(d * d, axis=1)))
 
 
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -124,6 +129,7 @@ class Engine:
         self.grown: list[str] = []
         self.state: Any = None
         self._key: tuple | None = None
+        self._reference: tuple[Any, Any] | None = None  # (state, its plan's positions in owned storage)
         self._program = program_for(potential)
 
     @property
@@ -138,7 +144,7 @@ class Engine:
 
         A new atom count, new atomic numbers or new periodicity build a new layout; a new cell
         or new per-atom values rebuild it with the old capacities where the potential allows
-        (`KernelPotential`); moved atoms re-plan it once `needs_rebuild` says so.
+        (`KernelPotential`). Moved atoms are `compute`'s business: its program flags a stale plan.
         """
         pos, numbers, cell, periodic = structure(positions, numbers, cell, pbc, "Engine")
         values = {k: np.asarray(v) for k, v in (per_atom or {}).items()}
@@ -150,10 +156,6 @@ class Engine:
         elif self._key[1] != geo:
             self.state = prepare(self.potential, pos, numbers, cell, periodic, values, previous=self.state)
             self.prepares += 1
-            self.grown.extend(self.state.cs.plan.grown)
-        elif self.potential.needs_rebuild(self.state, pos):
-            self.state = self.potential.rebuild(self.state, pos)
-            self.rebuilds += 1
             self.grown.extend(self.state.cs.plan.grown)
         self._key = (topo, geo)
         return self.state
@@ -167,18 +169,15 @@ class Engine:
             periodic), `energies` (`(N,)`, or None when the potential has no per-atom split)
             and `virial` (`-dE/dstrain`, eV).
         """
+        pos = np.asarray(positions, dtype=np.float64)
         state = self.update(positions, numbers, cell, pbc, per_atom)
+        energy, node_e, f_owned, g_strain, moved = self._run(state, pos)
+        if not float(moved) <= state.cs.plan.skin / 2:  # stale plan (or non-finite positions): re-plan, redo
+            self.state = state = self.potential.rebuild(state, pos)
+            self.rebuilds += 1
+            self.grown.extend(state.cs.plan.grown)
+            energy, node_e, f_owned, g_strain, moved = self._run(state, pos)
         cs = state.cs
-        pos_owned = cs.owned(np.asarray(positions, dtype=np.float64).astype(self.dtype), positions=True)
-        try:
-            energy, node_e, f_owned, g_strain = self._program.jitted(state, pos_owned)
-        except Exception as e:
-            if type(e).__name__ == "NotDifferentiableError":
-                raise type(e)(
-                    f"{type(self.potential).__name__}: forces and stress are -dE/dR and dE/dstrain by jax.grad "
-                    f"of the energy, so the kernel must be differentiable. {e}"
-                ) from e
-            raise
         virial = -np.asarray(g_strain, dtype=np.float64)
         _, _, cell, periodic = structure(positions, numbers, cell, pbc, "Engine")
         volume = cell_volume(cell, periodic)
@@ -189,3 +188,19 @@ class Engine:
             "energies": None if node_e is None else cs.to_global(node_e).astype(np.float64),
             "virial": virial,
         }
+
+    def _run(self, state: Any, pos: np.ndarray) -> tuple[Any, ...]:
+        """The program on `state` at global positions `pos`: energy, node energies, forces, dE/dstrain, moved."""
+        cs = state.cs
+        if self._reference is None or self._reference[0] is not state:
+            ref = cs.owned(cs.plan.reference_positions.astype(self.dtype), positions=True)
+            self._reference = (state, ref)
+        try:
+            return self._program.jitted(state, cs.owned(pos.astype(self.dtype), positions=True), self._reference[1])
+        except Exception as e:
+            if type(e).__name__ == "NotDifferentiableError":
+                raise type(e)(
+                    f"{type(self.potential).__name__}: forces and stress are -dE/dR and dE/dstrain by jax.grad "
+                    f"of the energy, so the kernel must be differentiable. {e}"
+                ) from e
+            raise

@@ -12,6 +12,12 @@ default, box `cell.T`). The halo layout plays the part of jax-md's neighbour lis
   re-allocates from the positions before the chunk and redoes it, as with jax-md.
 - `energy_fn(R, neighbor=nbrs)` (jit-able, differentiable) gathers `R` into owned
   storage with the layout's device index arrays and runs the potential's program.
+  The program also measures the largest displacement from the layout's positions:
+  past skin/2 (the layout may miss pairs) the energy, and so every force and the
+  stress, is NaN instead of silently wrong, and an eager call (concrete `R`, no
+  `jit` / `grad` around it) raises a `ValueError` naming the displacement and skin/2.
+  `update` counts a NaN position as moved too far, so a chunk that met a stale
+  layout always ends with `did_buffer_overflow` set.
 
 An atom moved by a lattice vector (a wrapping shift function) is mapped back to
 the image the layout was built for, so wrapping needs no re-allocation.
@@ -155,10 +161,15 @@ class HaloNeighborFn:
         import jax.numpy as jnp
 
         self._check(positions, neighbor, "update")
-        disp, _ = self._displacement(self.cartesian(positions), neighbor)
-        moved = jnp.max(jnp.sum(disp * disp, axis=1), initial=0.0)
-        stale = moved > (self.skin / 2) ** 2
+        stale = ~(self.moved(positions, neighbor) <= self.skin / 2)  # NaN positions count as stale
         return dataclasses.replace(neighbor, overflow=jnp.logical_or(neighbor.overflow, stale))
+
+    def moved(self, positions: Any, neighbor: HaloNeighbors) -> Any:
+        """Largest minimum-image displacement (Å) of any atom from the layout's positions (jit-able scalar)."""
+        import jax.numpy as jnp
+
+        disp, _ = self._displacement(self.cartesian(positions), neighbor)
+        return jnp.sqrt(jnp.max(jnp.sum(disp * disp, axis=1), initial=0.0))
 
     def cartesian(self, positions: Any) -> Any:
         """Cartesian `(N, 3)` positions (jit-able): `positions` itself, or `R_frac @ cell` when fractional.
@@ -256,6 +267,7 @@ class HaloEnergyFn:
         return jax.grad(lambda e: self._energy(positions, neighbor, kwargs, e, "stress_fn"))(zero) / volume
 
     def _energy(self, positions: Any, neighbor: Any, kwargs: dict, strain: Any, where: str) -> Any:
+        import jax
         import jax.numpy as jnp
 
         if kwargs:
@@ -271,7 +283,15 @@ class HaloEnergyFn:
         pos_owned = fn.owned_positions(fn.cartesian(pos), neighbor).astype(potential_dtype(fn.potential))
         eps = jnp.zeros((3, 3), pos_owned.dtype) if strain is None else strain.astype(pos_owned.dtype)
         energy, _ = fn.potential.energy_fn(neighbor.state, pos_owned, eps)
-        return energy.astype(pos.dtype)
+        moved = fn.moved(pos, neighbor)
+        if not isinstance(moved, jax.core.Tracer) and not float(moved) <= fn.skin / 2:
+            raise ValueError(
+                f"{where}: an atom moved {float(moved):.4g} Å from the positions the layout was built for, more than "
+                f"skin/2 = {fn.skin / 2:g} Å, so the layout may miss pairs; re-allocate first (nbrs = "
+                "neighbor_fn.allocate(R, nbrs)), or check nbrs.update(R).did_buffer_overflow before using the energy."
+            )
+        stale = jax.lax.stop_gradient(jnp.where(moved <= fn.skin / 2, 1.0, jnp.nan).astype(energy.dtype))
+        return (energy * stale).astype(pos.dtype)  # NaN (and NaN gradients) on a stale layout
 
 
 def halo_energy_fn(potential: Any, numbers: Any, cell: Any, pbc: Any = True, *,

@@ -45,7 +45,8 @@ def _step_fn(model: DistributedMLIP) -> Callable[..., tuple[MDState, jax.Array]]
 
 def nve(model: DistributedMLIP, positions: Any, velocities: Any, masses: Any, numbers: Any, cell: Any,
         pbc: Any = True, *, steps: int, dt: float, check_every: int = 10,
-        on_step: Callable[[int, np.ndarray, float], None] | None = None) -> dict[str, Any]:
+        on_step: Callable[[int, np.ndarray, float], None] | None = None,
+        stop_when: Callable[[int, float, float], bool] | None = None) -> dict[str, Any]:
     """Run `steps` NVE steps; the trajectory in global order.
 
     Args:
@@ -55,11 +56,14 @@ def nve(model: DistributedMLIP, positions: Any, velocities: Any, masses: Any, nu
         steps, dt: step count and time step (fs).
         check_every: steps between rebuild checks (host round trip of the positions).
         on_step: called as `on_step(step, positions, energy)` at every check (progress, logging).
+        stop_when: called as `stop_when(step, energy, kinetic)` (eV) at every check; True ends the run
+            there (e.g. a runaway energy).
 
     Returns:
         `positions` (step -> `(N, 3)`), `energy` (step -> potential energy, eV),
         `kinetic` (step -> kinetic energy, eV), one entry per check step (step 0 is the start),
-        and `rebuilds` (how many layouts were built).
+        `rebuilds` (how many layouts were built) and `steps` (the steps run: fewer when `stop_when`
+        ended the run).
     """
     if steps < 0 or check_every < 1:
         raise ValueError(f"nve: need steps >= 0 and check_every >= 1, got steps={steps}, check_every={check_every}.")
@@ -116,7 +120,9 @@ def nve(model: DistributedMLIP, positions: Any, velocities: Any, masses: Any, nu
         kinetic[done] = float(kinetic_energy(md.velocities, m))
         if on_step is not None:
             on_step(done, x, float(md.energy))
+        if stop_when is not None and stop_when(done, energies[done], kinetic[done]):
+            break
         if done < steps and layout.plan.needs_rebuild(x):
             layout, md, m, ref = relayout(layout, md)
             rebuilds += 1
-    return {"positions": traj, "energy": energies, "kinetic": kinetic, "rebuilds": rebuilds}
+    return {"positions": traj, "energy": energies, "kinetic": kinetic, "rebuilds": rebuilds, "steps": done}

@@ -109,8 +109,8 @@ def test_torch_op_without_autograd_names_register_autograd():
 
 
 def test_engine_reuses_and_rebuilds_the_layout():
-    """Unchanged atoms: no re-plan; a move past skin/2: re-plan; new numbers: a new layout; new cell: re-plan
-    with the old capacities."""
+    """Unchanged atoms: no re-plan; a move past skin/2: re-plan (flagged by the program); new numbers: a new
+    layout; new cell: re-plan with the old capacities."""
     from ase.cluster import Icosahedron
 
     from nvalchemi_jaxbridge.integrations import Engine
@@ -119,10 +119,13 @@ def test_engine_reuses_and_rebuilds_the_layout():
     eng = Engine(lj_potential(n_devices=2))
     args = (atoms.numbers, atoms.cell.array, atoms.pbc)
     first = eng.update(atoms.positions, *args)
-    assert eng.update(atoms.positions + 0.01, *args) is first
+    eng.compute(atoms.positions + 0.01, *args)
+    assert eng.state is first and eng.rebuilds == 0
     moved = atoms.positions.copy()
     moved[0, 0] += 0.2  # > skin / 2 = 0.15
-    assert eng.update(moved, *args) is not first and eng.rebuilds == 1
+    assert eng.update(moved, *args) is first  # update leaves moved atoms to compute's in-program flag
+    eng.compute(moved, *args)
+    assert eng.state is not first and eng.rebuilds == 1
     assert eng.prepares == 1
     numbers = atoms.numbers.copy()
     numbers[0] = 36
