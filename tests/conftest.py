@@ -4,6 +4,10 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# One intra-op thread per process: the suite runs 2 workers (and multi-process tests several ranks) on 2
+# cores, where torch's default of a thread per core makes each op wait for a busy core (the MPNN's
+# energy + forces measured 10x slower under load). Ranks, notebooks and CLI children inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import hypothesis
 import jax
