@@ -3,15 +3,19 @@
 `forward` is the op's forward as a `buffer_callback`: the op reads XLA's input
 buffers and its results are written into XLA's output buffers (a mutated
 argument's output buffer is aliased to its input, so the op writes straight into
-JAX's result). `backward_body` is the callback of the backward: the op again
-under torch autograd on the saved inputs, then `torch.autograd.grad` with the
-cotangents. On a GPU the op's work is queued on XLA's stream (`ctx.stream`) and
-the buffers' device. A failing callback logs its error at once
-(`_report_failure`) before raising it.
+JAX's result). Under differentiation `forward_keeping` runs the op instead under
+torch autograd and keeps its graph in the call's `GraphTable`, returning a token
+with the results; `backward_body` is the callback of the backward: that graph
+(or, absent, the op again under autograd on the saved inputs), then
+`torch.autograd.grad` with the cotangents. On a GPU the op's work is queued on
+XLA's stream (`ctx.stream`) and the buffers' device; the backward reads the
+token, two int32, from the device (one stream synchronisation). A failing
+callback logs its error at once (`_report_failure`) before raising it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +25,7 @@ import torch
 from jax.experimental.buffer_callback import buffer_callback
 
 from .dlpack import buffer_to_torch
+from .graph_table import TOKEN_DTYPE, TOKEN_SHAPE, GraphTable
 from .op_binding import OpBinding, _Call
 from .shape_probe import _is_inexact
 
@@ -153,16 +158,59 @@ def forward(binding: OpBinding, statics, array_pos, mutated_pos, specs) -> Calla
     return buffer_callback(callback, specs, input_output_aliases=aliases or None)
 
 
-def backward_body(binding: OpBinding, call: _Call, dtypes: Sequence[Any], ct_idx: tuple[int, ...]) -> Callable[..., Any]:
-    """Callback computing the input cotangents of the inexact inputs."""
-    array_pos = call.array_pos
-    n_arrays = len(array_pos)
-    # per array argument: (mutated by the op, differentiated)
-    kinds = tuple((binding.params[i].mutable, _is_inexact(d)) for i, d in zip(array_pos, dtypes))
-    mutated_k = tuple(k for k, (mutable, _) in enumerate(kinds) if mutable)
-    # per incoming cotangent: (index into returns + mutated arguments, position in `ins`)
-    picks = tuple((call.selected[j], n_arrays + c) for c, j in enumerate(ct_idx))
-    run_op = _op_caller(binding, call.statics, array_pos)
+@dataclasses.dataclass(frozen=True)
+class _GradPlan:
+    """What the differentiated forward and the backward of one call share."""
+
+    kinds: tuple[tuple[bool, bool], ...]  # per array argument: (mutated by the op, differentiated)
+    mutated_k: tuple[int, ...]  # array arguments the op mutates, in schema order
+    results: tuple[int, ...]  # per cotangent: its index into (returns, then mutated arguments)
+    run_op: Callable[[Sequence[Any]], tuple[Any, ...]]
+
+
+def _grad_plan(binding: OpBinding, call: _Call, dtypes: Sequence[Any], ct_idx: tuple[int, ...]) -> _GradPlan:
+    kinds = tuple((binding.params[i].mutable, _is_inexact(d)) for i, d in zip(call.array_pos, dtypes))
+    return _GradPlan(
+        kinds, tuple(k for k, (mutable, _) in enumerate(kinds) if mutable),
+        tuple(call.selected[j] for j in ct_idx), _op_caller(binding, call.statics, call.array_pos))
+
+
+def _run_under_autograd(
+    plan: _GradPlan, ins: Sequence[Any], *, keep: bool
+) -> tuple[list[Any], tuple[Any, ...], tuple[Any, ...]]:
+    """(leaves, every result, the results that get cotangents or None) of the op under autograd.
+
+    With `keep` every input is cloned, so the graph outlives XLA's buffers; else
+    only a mutated one (the op writes into it; never into JAX's buffer).
+    """
+    ts, leaves = [], []
+    for buf, (mutable, differentiated) in zip(ins, plan.kinds):
+        t = buffer_to_torch(buf)
+        if keep or mutable:
+            t = t.clone()
+        if differentiated:
+            leaves.append(t.requires_grad_(True))
+            if mutable:
+                t = t.clone()  # in-place writes into a leaf are not allowed
+        ts.append(t)
+    results = plan.run_op(ts) + tuple(ts[k] for k in plan.mutated_k)
+    outputs = tuple(r if (r := results[j]).requires_grad else None for j in plan.results)
+    return leaves, results, outputs
+
+
+def forward_keeping(
+    binding: OpBinding, call: _Call, dtypes: Sequence[Any], ct_idx: tuple[int, ...], table: GraphTable
+) -> Callable[..., tuple[jax.Array, ...]]:
+    """The differentiated forward: every result, then the token of the graph kept in `table`.
+
+    The op runs once under torch autograd (its inputs cloned, the inexact ones
+    leaves); its results are written into XLA's buffers and `(leaves, outputs)`
+    stay in `table` for the backward (`backward_body`).
+    """
+    plan = _grad_plan(binding, call, dtypes, ct_idx)
+    n_ret = binding.n_returns
+    aliases = {call.array_pos.index(i): n_ret + j for j, i in enumerate(call.mutated_pos)}
+    specs = (*call.result_specs, jax.ShapeDtypeStruct(TOKEN_SHAPE, TOKEN_DTYPE))
     set_grad, grad_enabled = torch._C._set_grad_enabled, torch.is_grad_enabled
     name = binding.name
 
@@ -171,26 +219,52 @@ def backward_body(binding: OpBinding, call: _Call, dtypes: Sequence[Any], ct_idx
         grad = grad_enabled()
         set_grad(True)
         try:
-            ts, leaves = [], []
-            for k, (mutable, differentiated) in enumerate(kinds):
-                t = buffer_to_torch(ins[k])
-                if mutable:
-                    t = t.clone()  # the op writes into it; never into JAX's buffer
-                if differentiated:
-                    leaves.append(t.requires_grad_(True))
-                    if mutable:
-                        t = t.clone()  # in-place writes into a leaf are not allowed
-                ts.append(t)
-            results = run_op(ts) + tuple(ts[k] for k in mutated_k)
-            outs_g, cts_g = [], []
-            for r_idx, c in picks:
-                r = results[r_idx]
-                if r.requires_grad:
-                    outs_g.append(r)
-                    cts_g.append(buffer_to_torch(ins[c]))
+            leaves, results, outputs = _run_under_autograd(plan, ins, keep=True)
+            set_grad(False)
+            for b, r in zip(outs, results):  # mutated arguments too: the op wrote into clones
+                buffer_to_torch(b).copy_(r)
+            token = buffer_to_torch(outs[-1])
+            for j, v in enumerate(table.keep((leaves, outputs))):
+                token[j].fill_(v)  # a fill, not a copy from the host: no stream synchronisation
+        except BaseException as e:
+            _report_failure(name, "call", outs[0], e)
+            raise
+        finally:
+            set_grad(grad)
+            if saved is not None:
+                _leave_xla_stream(saved)
+
+    return buffer_callback(callback, specs, input_output_aliases=aliases or None)
+
+
+def backward_body(
+    binding: OpBinding, call: _Call, dtypes: Sequence[Any], ct_idx: tuple[int, ...], table: GraphTable
+) -> Callable[..., Any]:
+    """Callback computing the input cotangents of the inexact inputs: `(ctx, outs, *saved, token, *cotangents)`.
+
+    The graph the forward kept under `token` in `table`, or (absent) the op re-run
+    under autograd on the saved inputs, then `torch.autograd.grad` with the cotangents.
+    """
+    plan = _grad_plan(binding, call, dtypes, ct_idx)
+    n_arrays = len(call.array_pos)
+    set_grad, grad_enabled = torch._C._set_grad_enabled, torch.is_grad_enabled
+    name = binding.name
+
+    def callback(ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
+        saved = _enter_xla_stream(ctx, outs[0])
+        grad = grad_enabled()
+        set_grad(True)
+        try:
+            kept = table.take(tuple(buffer_to_torch(ins[n_arrays]).tolist()))
+            if kept is None:  # gone (a second pullback, evicted): the op again on the saved inputs
+                leaves, _, outputs = _run_under_autograd(plan, ins[:n_arrays], keep=False)
+            else:
+                leaves, outputs = kept
+            live = [(r, buffer_to_torch(ins[n_arrays + 1 + c])) for c, r in enumerate(outputs) if r is not None]
             grads: Sequence[Any] = [None] * len(leaves)
-            if outs_g:
-                grads = torch.autograd.grad(outs_g, leaves, cts_g, allow_unused=True)
+            if live:
+                grads = torch.autograd.grad([r for r, _ in live], leaves, [c for _, c in live], allow_unused=True)
+            del kept, leaves, outputs, live  # the graph goes now, not with the frame
             for b, g in zip(outs, grads):
                 o = buffer_to_torch(b)
                 if g is None:

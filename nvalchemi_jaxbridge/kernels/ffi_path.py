@@ -4,13 +4,14 @@ The handler itself is C++ (`kernels/ffi/`): an XLA FFI custom call that wraps
 XLA's buffers as tensors and calls the op through torch's dispatcher. Here a
 call's static arguments and tensor slots are encoded as a plan (`ffi/plans.py`),
 registered with the loaded extension (`ffi/target.py`), and the call becomes
-`ext.call(plan, ...)`. `forward` and `backward` return None with the reason
+`ext.call(plan, ...)`. `forward` and `grad_calls` return None with the reason
 where a call falls back to the `buffer_callback` path under `call_path="auto"`,
 and raise under `call_path="ffi"`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ from typing import Any
 import jax
 import torch
 
+from .graph_table import GRAPH_CAP, TOKEN_DTYPE, TOKEN_SHAPE
 from .op_binding import KernelError, OpBinding, _Call
 from .shape_probe import _is_inexact
 
@@ -120,33 +122,53 @@ def forward(
     return ext.call(plan, specs, aliases), "ffi"
 
 
-def backward(
-    binding: OpBinding, call_path: str, call: _Call, arrays: Sequence[Any]
-) -> tuple[Callable[..., Any] | None, str]:
-    """The FFI backward (`bwd(*saved, *cotangents)` -> input gradients) and "ffi", or (None, "callback (<why>)").
+@dataclasses.dataclass(frozen=True)
+class GradCalls:
+    """The FFI path's differentiated forward and backward of one call, and its kept-graph count."""
 
-    Registered with the forward, for a call whose forward takes the FFI path;
-    the differentiated inputs are the inexact arrays, the cotangents those of
-    the inexact selected results (what `vjp.custom_vjp` passes).
+    forward: Callable[..., Any]  # (*arrays) -> (*results, token)
+    backward: Callable[..., Any]  # (*saved arrays, token, *cotangents) -> gradients of the inexact arrays
+    kept: Callable[[], int]
+
+
+def grad_calls(
+    binding: OpBinding, call_path: str, call: _Call, arrays: Sequence[Any]
+) -> tuple[GradCalls | None, str]:
+    """The FFI forward-keeping-its-graph and backward of a call whose forward takes the FFI path, and "ffi".
+
+    The forward runs the op under autograd and keeps its graph in its plan's
+    table in C++ (at most `GRAPH_CAP`); the backward takes it by token, or re-runs
+    the op where it is gone. The differentiated inputs are the inexact arrays,
+    the cotangents those of the inexact selected results (what `vjp.custom_vjp`
+    passes). (None, "ffi") when no gradient flows (no call at all); (None,
+    "callback (<why>)") where a plan is refused under call_path="auto".
     """
     from .ffi import plans, target
 
     diff = tuple(k for k, a in enumerate(arrays) if _is_inexact(a.dtype))
     outputs = tuple(s for s in call.selected if _is_inexact(call.result_specs[s].dtype))
-    if not diff:
-        return None, "ffi"  # nothing to differentiate: no backward call at all
-    encoded = _encode_plan(
-        binding, call.statics, call.array_pos, call.mutated_pos, backward=plans.Backward(diff, outputs)
-    )
+    if not diff or not outputs:
+        return None, "ffi"
+
+    def encoded(**how: int) -> str:
+        return _encode_plan(binding, call.statics, call.array_pos, call.mutated_pos,
+                            backward=plans.Backward(diff, outputs, **how))
+
     ext = target.load()  # loaded by the forward already
     try:
-        plan = _register_plan(binding, ext, encoded, f"the backward of op {binding.name}")
+        keep = _register_plan(binding, ext, encoded(keep=GRAPH_CAP), f"the differentiated forward of op {binding.name}")
+        back = _register_plan(binding, ext, encoded(source=keep), f"the backward of op {binding.name}")
     except KernelError as e:
         if requested_path(call_path, binding.name)[0] == "ffi":
             raise
         return None, f"callback ({str(e).splitlines()[0]})"
-    specs = tuple(jax.ShapeDtypeStruct(tuple(arrays[k].shape), arrays[k].dtype) for k in diff)
-    return ext.call(plan, specs, {}), "ffi"
+    n_ret = binding.n_returns
+    aliases = {call.array_pos.index(i): n_ret + j for j, i in enumerate(call.mutated_pos)}
+    token = jax.ShapeDtypeStruct(TOKEN_SHAPE, TOKEN_DTYPE)
+    grads = tuple(jax.ShapeDtypeStruct(tuple(arrays[k].shape), arrays[k].dtype) for k in diff)
+    return GradCalls(
+        ext.call(keep, (*call.result_specs, token), aliases), ext.call(back, grads, {}), lambda: ext.kept_graphs(keep)
+    ), "ffi"
 
 
 def _register_plan(binding: OpBinding, ext: Any, encoded: str, where: str) -> int:
@@ -158,8 +180,9 @@ def _register_plan(binding: OpBinding, ext: Any, encoded: str, where: str) -> in
 def _encode_plan(binding: OpBinding, statics, array_pos, mutated_pos, backward: Any = None) -> str:
     """The plan text of this call, or of its backward (raises plans.Ineligible with the reason).
 
-    The backward's FFI arguments are the saved arrays, then the cotangents; a
-    mutated argument is an argument there, cloned before the op writes into it.
+    A differentiated call's plans take a mutated argument as an argument, cloned
+    before the op writes into it; the backward's FFI arguments are the saved
+    arrays, the token, then the cotangents.
     """
     from .ffi import plans
 
@@ -172,7 +195,7 @@ def _encode_plan(binding: OpBinding, statics, array_pos, mutated_pos, backward: 
         n_args = len(array_pos)
     else:
         slot = {i: plans.TensorSlot(k, cloned=i in out_of) for k, i in enumerate(array_pos)}
-        n_args = len(array_pos) + len(backward.outputs)
+        n_args = len(array_pos) + (0 if backward.keep is not None else 1 + len(backward.outputs))
     entries = []
     for i, p in enumerate(binding.params):
         entries.append((p.name, p.type_str, slot.get(i, statics[i])))  # a Tensor list is refused by encode

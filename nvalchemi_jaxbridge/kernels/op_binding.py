@@ -133,6 +133,7 @@ class _Call:
     fn: Callable[..., tuple[jax.Array, ...]]  # the custom_vjp function of the arrays
     path: str = "callback"  # the forward's path: "ffi" or "callback (<why>)"
     bwd_path: str = "callback"  # the backward's path, likewise
+    kept: Callable[[], int] = lambda: 0  # torch graphs held for backwards to come (vjp.custom_vjp)
 
 
 # ----------------------------------------------------------------------------- the binding

@@ -5,14 +5,14 @@
 like any custom op (DLPack views of XLA's buffers, the FFI handler or
 `buffer_callback`; output shapes from one run of `fn` on zero-filled tensors at trace
 time, since model code such as TorchScript fusion groups cannot run on fake tensors
-on a GPU), and its backward
-re-runs `fn` under torch autograd, so `jax.grad` through a stage differentiates
-the torch code itself. Weights `fn` closes over stay torch tensors (no gradient
+on a GPU); under `jax.grad` it runs `fn` once under torch autograd and the backward
+differentiates that graph, so `jax.grad` through a stage differentiates the torch
+code itself at the cost of one forward, as in torch. Weights `fn` closes over stay torch tensors (no gradient
 flows to them from JAX).
 
 `fn` takes `n_inputs` tensors and returns `n_outputs` tensors (a tuple when
 `n_outputs > 1`); it must not keep state between calls, since JAX may run it
-more than once (shape probing, the backward's re-run).
+more than once (shape probing; the backward re-runs it where the forward's graph is gone).
 """
 
 from __future__ import annotations

@@ -13,10 +13,13 @@ order. `outputs=` picks among them by index, or by the mutated argument's name.
 A mutated argument is passed in as an array holding its initial value and comes
 back as a new array (JAX arrays are immutable); XLA aliases the two buffers.
 
-Gradients. The call is a `jax.custom_vjp`; the backward runs the op again under
-torch autograd on the saved inputs and calls `torch.autograd.grad` with the
-cotangents, on the same path as the forward (callback or FFI). Only ops torch can differentiate
-(a `register_autograd` formula, or an autograd-capable composite) qualify.
+Gradients. The call is a `jax.custom_vjp`. Differentiated, the forward runs the
+op once under torch autograd and keeps its graph for the backward, which calls
+`torch.autograd.grad` with the cotangents on it (one forward, one backward, as
+in torch; the backward re-runs the op on the saved inputs where the graph is
+gone), on the same path as the forward (callback or FFI). Only ops torch can
+differentiate (a `register_autograd` formula, or an autograd-capable composite)
+qualify.
 
 Inside `shard_map(check_vma=True)` the callback's varying-axes typing, which
 `buffer_callback` drops, is restored with `jax.lax.pcast`.
@@ -170,6 +173,13 @@ class TorchOpKernel:
         """
         return self._prepare(args, kwargs)[0].bwd_path
 
+    def kept_graphs(self) -> int:
+        """How many torch autograd graphs this kernel holds for backwards still to run (at most
+        `graph_table.GRAPH_CAP` per compiled call; see `vjp`)."""
+        with self._lock:
+            calls = list(self._cache.values())
+        return sum(c.kept() for c in calls)
+
     def paths_taken(self) -> tuple[str, ...]:
         """The distinct forward paths of the calls prepared so far, e.g. `("ffi",)` (for run reports)."""
         with self._lock:
@@ -207,9 +217,9 @@ class TorchOpKernel:
         if fwd is None:
             fwd = callback_path.forward(binding, statics, array_pos, mutated_pos, specs)
         call = _Call(array_pos, mutated_pos, statics, binding.n_returns, specs, binding.selected, fn=None, path=path)  # type: ignore[arg-type]
-        bwd, bwd_path = None, path
+        grad, bwd_path = None, path
         if path == "ffi":
-            bwd, bwd_path = ffi_path.backward(binding, self.call_path, call, arrays)
-        call = dataclasses.replace(call, bwd_path=bwd_path)
-        fn = vjp.custom_vjp(binding, call, fwd, [a.dtype for a in arrays], bwd, check_grad=self.check_grad)
-        return dataclasses.replace(call, fn=fn)
+            grad, bwd_path = ffi_path.grad_calls(binding, self.call_path, call, arrays)
+        avals = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in arrays]
+        fn, kept = vjp.custom_vjp(binding, call, fwd, avals, grad, check_grad=self.check_grad)
+        return dataclasses.replace(call, fn=fn, bwd_path=bwd_path, kept=kept)

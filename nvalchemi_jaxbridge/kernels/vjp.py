@@ -1,13 +1,18 @@
 """Gradients of a torch op called from JAX: the `jax.custom_vjp` around a call.
 
-The backward runs the op again under torch autograd on the saved inputs and
-calls `torch.autograd.grad` with the cotangents, on the forward's path: the FFI
-backward handler (`ffi_path.backward`) where the forward took the FFI path, else
-a `buffer_callback` (`callback_path.backward_body`), one per shape of the saved
-arrays. Only the inexact inputs are differentiated, against the cotangents of
-the inexact selected results. Before the first backward, a trace-time check on
-fake tensors says whether torch can differentiate the op at all
-(`NotDifferentiableError`, naming the fix).
+One forward per differentiated call, as in torch: when JAX traces the forward
+for a VJP, the op runs once under torch autograd and its graph stays in a table
+of the call (`graph_table`), named by a token (an int32 pair) that joins the
+saved input arrays among the residuals. The backward takes that graph and calls
+`torch.autograd.grad` with the cotangents; where the graph is gone (a pullback
+called twice, an entry evicted past the table's cap) it re-runs the op under
+autograd on the saved inputs instead. Both run on the forward's path: the FFI
+handlers (`ffi_path.grad_calls`, graphs kept in C++) where the forward took the
+FFI path, else `buffer_callback`s (`callback_path.forward_keeping` and
+`backward_body`). Only the inexact inputs are differentiated, against the
+cotangents of the inexact selected results. Before the first backward, a
+trace-time check on fake tensors says whether torch can differentiate the op
+at all (`NotDifferentiableError`, naming the fix).
 
 Inside `shard_map(check_vma=True)` the varying-axes typing that
 `buffer_callback` drops is restored with `jax.lax.pcast` (`_vary`).
@@ -19,11 +24,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import torch
 from jax.experimental.buffer_callback import buffer_callback
 
 from . import callback_path
+from .graph_table import GraphTable
 from .op_binding import KernelError, OpBinding, _Call
 from .shape_probe import _is_inexact, fake_run
 
@@ -98,29 +103,41 @@ def custom_vjp(
     binding: OpBinding,
     call: _Call,
     fwd_cb: Callable[..., Any],
-    dtypes: list[Any],
-    bwd_ffi: Callable[..., Any] | None = None,
+    avals: Sequence[jax.ShapeDtypeStruct],
+    grad_ffi: Any = None,
     *,
     check_grad: bool,
-) -> Callable[..., Any]:
-    """The call's `jax.custom_vjp` function of its arrays, returning the selected results.
+) -> tuple[Callable[..., Any], Callable[[], int]]:
+    """The call's `jax.custom_vjp` function of its arrays (returning the selected results), and its kept-graph count.
 
     Args:
         binding: the op's binding.
         call: the call's plan (`fn` not set yet).
         fwd_cb: the forward on the call's path, returning every result.
-        dtypes: the dtypes of the call's arrays.
-        bwd_ffi: the FFI backward, where the forward takes the FFI path (else the
-            callback backward is used).
+        avals: the shapes and dtypes of the call's arrays.
+        grad_ffi: the FFI path's differentiated forward and backward (`ffi_path.GradCalls`),
+            where the forward takes the FFI path; else the callback path's are used.
         check_grad: run `check_differentiable` when the forward is traced for a VJP.
+
+    Returns:
+        `(fn, kept)`: `kept()` is how many torch graphs the call holds for backwards to come.
     """
     selected = call.selected
     sel_inexact = tuple(j for j, s in enumerate(selected) if _is_inexact(call.result_specs[s].dtype))
+    dtypes = [a.dtype for a in avals]
     diff = tuple(k for k, d in enumerate(dtypes) if _is_inexact(d))
-    # the callback backward, one buffer_callback per shape of the saved arrays; the FFI
-    # backward (when the forward took the FFI path) has its result shapes fixed with the call
-    bwd_cb_body = None if bwd_ffi is not None else callback_path.backward_body(binding, call, dtypes, sel_inexact)
-    bwd_cache: dict[Any, Any] = {}
+    graphs = bool(diff) and bool(sel_inexact)  # else no gradient flows: no graph, no backward call
+    if not graphs:
+        fwd_keep = bwd = None
+        kept: Callable[[], int] = lambda: 0
+    elif grad_ffi is not None:
+        fwd_keep, bwd, kept = grad_ffi.forward, grad_ffi.backward, grad_ffi.kept
+    else:
+        table = GraphTable()
+        fwd_keep = callback_path.forward_keeping(binding, call, dtypes, sel_inexact, table)
+        shapes = tuple(jax.ShapeDtypeStruct(tuple(avals[k].shape), avals[k].dtype) for k in diff)
+        bwd = buffer_callback(callback_path.backward_body(binding, call, dtypes, sel_inexact, table), shapes)
+        kept = table.__len__
 
     def run_forward(*arrays: jax.Array) -> tuple[jax.Array, ...]:
         axes = frozenset().union(*(_vma(a) for a in arrays)) if arrays else frozenset()
@@ -134,23 +151,22 @@ def custom_vjp(
     def fn_fwd(*arrays: jax.Array):
         if check_grad:
             check_differentiable(binding, call, arrays)
-        return run_forward(*arrays), arrays
+        if fwd_keep is None:
+            return run_forward(*arrays), (arrays, None)
+        axes = frozenset().union(*(_vma(a) for a in arrays)) if arrays else frozenset()
+        *outs, token = fwd_keep(*arrays)
+        return tuple(_vary(outs[s], axes) for s in selected), (arrays, _vary(token, axes))
 
-    def fn_bwd(saved: tuple[jax.Array, ...], cts: tuple[jax.Array, ...]):
-        axes = frozenset().union(*(_vma(a) for a in saved)) if saved else frozenset()
-        shapes = tuple(jax.ShapeDtypeStruct(saved[k].shape, saved[k].dtype) for k in diff)
-        backward = bwd_ffi
-        if backward is None:
-            key = tuple((s.shape, np.dtype(s.dtype).str) for s in shapes)
-            backward = bwd_cache.get(key)
-            if backward is None:
-                backward = bwd_cache[key] = buffer_callback(bwd_cb_body, shapes)
-        ct_in = [cts[j] for j in sel_inexact]
-        grads = backward(*saved, *ct_in) if shapes else ()
+    def fn_bwd(res: tuple[tuple[jax.Array, ...], jax.Array | None], cts: tuple[jax.Array, ...]):
+        saved, token = res
         out: list[Any] = [None] * len(saved)
+        if bwd is None:
+            return tuple(out)  # no inexact input reaches an inexact result: zero cotangents
+        axes = frozenset().union(*(_vma(a) for a in saved)) if saved else frozenset()
+        grads = bwd(*saved, token, *(cts[j] for j in sel_inexact))
         for k, g in zip(diff, grads):
             out[k] = _vary(g, axes)
         return tuple(out)
 
     fn.defvjp(fn_fwd, fn_bwd)
-    return fn
+    return fn, kept

@@ -1,4 +1,4 @@
-"""Compile `torch_call.cc` into a shared library, once per (source, versions, compiler), cached on disk.
+"""Compile `torch_call.cc` (and the headers it includes) into a shared library, once per (source, versions, compiler), cached on disk.
 
 The system C++ compiler (`$CXX`, else `c++`) builds against torch's headers and
 libraries and JAX's FFI headers; no ninja, no `torch.utils.cpp_extension.load`.
@@ -29,6 +29,7 @@ from ..torch_op import KernelError
 _log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).with_name("torch_call.cc")
+INCLUDED = tuple(pathlib.Path(__file__).with_name(n) for n in ("plan.cc", "graphs.cc"))  # included by SOURCE
 LIB_NAME = "jaxbridge_torch_call.so"
 EXPECTED_SECONDS = 15  # first-use build (12-17 s measured on a 2-core machine); said in the log line and the docs
 FALLBACK = (
@@ -51,8 +52,10 @@ class BuildConfig:
     versions: tuple[str, ...]  # torch, jax, jaxlib
 
     def key(self) -> str:
-        """Cache key: hash of the source, versions, CUDA flag and compiler."""
+        """Cache key: hash of the source and its headers, versions, CUDA flag and compiler."""
         h = hashlib.sha256(SOURCE.read_bytes())
+        for header in INCLUDED:
+            h.update(b"\0" + header.read_bytes())
         for part in (self.compiler, self.compiler_version, self.cxx_std, str(self.abi), str(self.cuda),
                      *self.include_dirs, *self.versions):
             h.update(b"\0" + part.encode())

@@ -10,10 +10,16 @@ argument, in schema order (keyword-only ones included, defaults already filled):
     a<k>         FFI argument k       r<k>         FFI result k (a mutated argument, aliased)
     m<k>         FFI argument k, cloned before the op writes into it (backward plans)
 
-A backward plan (`encode(..., backward=Backward(...))`) adds two lines: `G<k,...>`,
-the FFI arguments differentiated (its results are their gradients, in this
-order), and `O<r,...>`, the op results (returns, then mutated arguments) whose
-cotangents are the last FFI arguments, in this order.
+A differentiated call has two plans (`encode(..., backward=Backward(...))`), both
+taking mutated arguments as `m` slots and adding `G<k,...>`, the FFI arguments
+differentiated, and `O<r,...>`, the op results (returns, then mutated arguments)
+that get cotangents, in this order; then one of:
+
+    K<cap>       the forward: the op once under autograd; its results, then an int32 (2,)
+                 token naming the graph it keeps (at most `cap` kept)
+    T<id>        the backward: FFI arguments are the saved arrays, the token, then the
+                 cotangents; results are the gradients of the `G` arguments, from the graph
+                 plan `id` (the forward) kept, or from a re-run of the op where it is gone
 
 Anything else (a `ScalarType`, `Device`, dict, complex, a Tensor list) makes the
 call ineligible for the FFI path; `Ineligible` says which argument and why.
@@ -49,10 +55,13 @@ class TensorSlot:
 
 @dataclasses.dataclass(frozen=True)
 class Backward:
-    """What a backward plan adds: the differentiated FFI arguments, and the results that get cotangents."""
+    """What a plan of a differentiated call adds: the differentiated FFI arguments, the results that
+    get cotangents, and either the forward's graph cap (`keep`) or the forward plan the backward reads (`source`)."""
 
     leaves: tuple[int, ...]
     outputs: tuple[int, ...]
+    keep: int | None = None
+    source: int | None = None
 
 
 def _base(type_str: str) -> str:
@@ -146,5 +155,6 @@ def encode(n_args: int, entries: Sequence[tuple[str, str, Any]], backward: Backw
     if backward is not None:
         lines.append("G" + _list(backward.leaves, _int))
         lines.append("O" + _list(backward.outputs, _int))
+        lines.append(f"K{_int(backward.keep)}" if backward.keep is not None else f"T{_int(backward.source)}")
     return "\n".join(lines)
 

@@ -42,6 +42,10 @@ class Extension:
             )
         return int(pid)
 
+    def kept_graphs(self, plan: int) -> int:
+        """How many torch graphs the differentiated-forward plan `plan` keeps for backwards to come."""
+        return int(self.lib.jb_kept_graphs(plan))
+
     def call(self, plan: int, result_specs, aliases: dict[int, int]):
         """`f(*arrays)`: the FFI call of `plan` producing `result_specs`, mutated arguments aliased."""
         f = jax.ffi.ffi_call(TARGET, tuple(result_specs), input_output_aliases=aliases or None)
@@ -89,6 +93,8 @@ def _load() -> Extension:
     lib.jb_register_plan.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p]
     lib.jb_last_error.restype = ctypes.c_char_p
     lib.jb_has_cuda.restype = ctypes.c_int
+    lib.jb_kept_graphs.restype = ctypes.c_int64
+    lib.jb_kept_graphs.argtypes = [ctypes.c_int64]
     cuda = bool(lib.jb_has_cuda())
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jb_torch_call_cpu), platform="cpu")
     if cuda:

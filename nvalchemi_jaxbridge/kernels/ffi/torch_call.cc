@@ -5,12 +5,15 @@
 // named by the call's `plan` attribute. Per call the handler copies the plan's
 // argument stack, wraps XLA's buffers as torch tensors (at::from_blob, no copy),
 // runs the op boxed with grad off (below autograd), and writes each returned tensor into its
-// result buffer. A backward plan instead re-runs the op under autograd on the saved inputs
-// and writes torch::autograd::grad's input gradients into the results. No Python runs on
-// this side; a Python-implemented op (or backward formula) takes the GIL itself inside torch.
+// result buffer. A differentiated call has two plans instead (plan.h): its forward runs the op
+// once under autograd, writes the results and keeps the graph in the plan's table (graphs.h)
+// under a token, its last result; its backward takes that graph by token (or re-runs the op
+// under autograd on the saved inputs where it is gone) and writes torch::autograd::grad's input
+// gradients into the results. No Python runs on this side; a Python-implemented op (or backward
+// formula) takes the GIL itself inside torch.
 //
-// Compiled by nvalchemi_jaxbridge/kernels/ffi/build.py; JB_WITH_CUDA adds the
-// CUDA handler (torch enqueues on XLA's stream).
+// Compiled by nvalchemi_jaxbridge/kernels/ffi/build.py, one translation unit with the files it
+// includes (plan.cc, graphs.cc); JB_WITH_CUDA adds the CUDA handler (torch enqueues on XLA's stream).
 
 #include <Python.h>  // first, as Python asks; only to clear an error torch's autograd engine leaves set
 
@@ -29,6 +32,7 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <sstream>
 #include <string>
@@ -36,6 +40,8 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+
+#include "plan.cc"  // with graphs.cc: one translation unit
 
 #ifdef JB_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -47,228 +53,22 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Where a tensor argument of the op comes from: FFI argument `index` or FFI result `index`
-// (a mutated argument: XLA aliases it to its input, so the op writes into JAX's result).
-// In a backward plan a mutated argument is FFI argument `index`, cloned before the op
-// writes into it (`cloned`), and `leaf` is its place among the differentiated inputs (or -1).
-struct Slot {
-  size_t stack_pos;
-  bool from_result;
-  size_t index;
-  bool cloned = false;
-  int64_t leaf = -1;
-};
+using jb::Graph;
+using jb::Mode;
+using jb::Plan;
+using jb::Slot;
 
-struct Plan {
-  std::string name;  // "ns::op" or "ns::op.overload", for messages
-  c10::OperatorHandle op;
-  std::vector<c10::IValue> stack;  // one entry per schema argument; tensor slots hold None
-  std::vector<Slot> slots;
-  size_t n_args = 0;     // FFI arguments the call must bring
-  size_t n_results = 0;  // FFI results: returns, then mutated arguments
-  size_t n_returns = 0;  // tensors the op returns
-  // backward plans only: the FFI results are the gradients of the `n_leaves` differentiated
-  // inputs; `outputs[j]` is the op result (returns, then mutated arguments in slot order)
-  // whose cotangent is FFI argument n_args - outputs.size() + j.
-  bool backward = false;
-  size_t n_leaves = 0;
-  std::vector<size_t> outputs;
-
-  Plan(std::string n, c10::OperatorHandle h) : name(std::move(n)), op(std::move(h)) {}
-};
-
+// Plans live as long as the process and are never destroyed, not even at exit: a kept graph may
+// hold Python autograd nodes, which must not be freed after the interpreter has finalised.
 std::shared_mutex g_plans_mu;
-std::unordered_map<int64_t, std::unique_ptr<Plan>> g_plans;
-std::unordered_map<int64_t, std::string> g_plan_keys;  // id -> what it was registered for
+auto* const g_plans = new std::unordered_map<int64_t, std::unique_ptr<Plan>>();
+auto* const g_plan_keys = new std::unordered_map<int64_t, std::string>();  // id -> what it was registered for
 thread_local std::string g_last_error;
 
 const Plan* find_plan(int64_t id) {
   std::shared_lock<std::shared_mutex> lock(g_plans_mu);
-  auto it = g_plans.find(id);
-  return it == g_plans.end() ? nullptr : it->second.get();
-}
-
-// ---------------------------------------------------------------- static-argument decoding
-//
-// A version line "jb1 <number of FFI arguments>", then one line per schema argument
-// (see plans.py, which writes them):
-//   N            None                     b0 / b1      bool
-//   i<int>       int64 (decimal)          d<float>     double, C99 hex float (exact), inf, -inf, nan
-//   s<hex>       str, UTF-8 bytes in hex  I<i,i,...>   int list (may be empty)
-//   D<d,d,...>   double list              B<0,1,...>   bool list
-//   a<k>         FFI argument k           r<k>         FFI result k (mutated argument)
-//   m<k>         FFI argument k, cloned (a mutated argument in a backward plan)
-// A backward plan adds two lines after the schema's:
-//   G<k,k,...>   the FFI arguments differentiated, in the order of their gradient results
-//   O<r,r,...>   the op results that get a cotangent; the cotangents are the last FFI arguments
-
-[[noreturn]] void bad(const std::string& what, size_t line) {
-  std::ostringstream os;
-  os << "plan entry " << line << ": " << what;
-  throw std::invalid_argument(os.str());
-}
-
-int64_t parse_int(const std::string& s, size_t line) {
-  if (s.empty()) bad("empty integer", line);
-  errno = 0;
-  char* end = nullptr;
-  long long v = std::strtoll(s.c_str(), &end, 10);
-  if (errno != 0 || end != s.c_str() + s.size()) bad("bad integer '" + s + "'", line);
-  return static_cast<int64_t>(v);
-}
-
-double parse_double(const std::string& s, size_t line) {
-  if (s.empty()) bad("empty float", line);
-  char* end = nullptr;
-  double v = std::strtod(s.c_str(), &end);  // reads C99 hex floats exactly
-  if (end != s.c_str() + s.size()) bad("bad float '" + s + "'", line);
-  return v;
-}
-
-bool parse_bool(const std::string& s, size_t line) {
-  if (s == "0") return false;
-  if (s == "1") return true;
-  bad("bad bool '" + s + "'", line);
-}
-
-std::vector<std::string> split(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  if (s.empty()) return out;
-  size_t start = 0;
-  while (true) {
-    size_t end = s.find(sep, start);
-    out.push_back(s.substr(start, end - start));
-    if (end == std::string::npos) break;
-    start = end + 1;
-  }
-  return out;
-}
-
-std::string unhex(const std::string& s, size_t line) {
-  if (s.size() % 2) bad("odd-length hex string", line);
-  std::string out;
-  out.reserve(s.size() / 2);
-  for (size_t i = 0; i < s.size(); i += 2) {
-    char* end = nullptr;
-    std::string byte = s.substr(i, 2);
-    long v = std::strtol(byte.c_str(), &end, 16);
-    if (end != byte.c_str() + 2) bad("bad hex byte '" + byte + "'", line);
-    out.push_back(static_cast<char>(v));
-  }
-  return out;
-}
-
-void decode_plan(Plan& plan, const std::string& encoded) {
-  const auto& schema = plan.op.schema();
-  std::vector<std::string> lines = split(encoded, '\n');
-  if (lines.empty() || lines[0].rfind("jb1 ", 0) != 0) {
-    throw std::invalid_argument("the plan does not start with its version line 'jb1 <n_args>'");
-  }
-  plan.n_args = static_cast<size_t>(parse_int(lines[0].substr(4), 0));
-  lines.erase(lines.begin());
-  std::vector<int64_t> leaves;
-  if (lines.size() >= 2 && !lines[lines.size() - 2].empty() && lines[lines.size() - 2][0] == 'G' &&
-      !lines.back().empty() && lines.back()[0] == 'O') {
-    plan.backward = true;
-    const size_t at = lines.size() - 2;
-    for (const auto& x : split(lines[at].substr(1), ',')) leaves.push_back(parse_int(x, at));
-    for (const auto& x : split(lines[at + 1].substr(1), ',')) {
-      int64_t r = parse_int(x, at + 1);
-      if (r < 0) bad("negative result index", at + 1);
-      plan.outputs.push_back(static_cast<size_t>(r));
-    }
-    if (plan.outputs.size() > plan.n_args) bad("more cotangents than FFI arguments", at + 1);
-    lines.resize(at);
-    plan.n_leaves = leaves.size();
-  }
-  if (lines.size() != schema.arguments().size()) {
-    std::ostringstream os;
-    os << "the plan has " << lines.size() << " argument(s) but the schema " << schema << " has "
-       << schema.arguments().size();
-    throw std::invalid_argument(os.str());
-  }
-  plan.n_returns = schema.returns().size();
-  size_t n_mutated = 0;
-  for (size_t i = 0; i < lines.size(); ++i) {
-    const std::string& l = lines[i];
-    if (l.empty()) bad("empty entry", i);
-    const char tag = l[0];
-    const std::string v = l.substr(1);
-    switch (tag) {
-      case 'N':
-        plan.stack.emplace_back();
-        break;
-      case 'b':
-        plan.stack.emplace_back(parse_bool(v, i));
-        break;
-      case 'i':
-        plan.stack.emplace_back(parse_int(v, i));
-        break;
-      case 'd':
-        plan.stack.emplace_back(parse_double(v, i));
-        break;
-      case 's':
-        plan.stack.emplace_back(unhex(v, i));
-        break;
-      case 'I': {
-        c10::List<int64_t> xs;
-        for (const auto& x : split(v, ',')) xs.push_back(parse_int(x, i));
-        plan.stack.emplace_back(std::move(xs));
-        break;
-      }
-      case 'D': {
-        c10::List<double> xs;
-        for (const auto& x : split(v, ',')) xs.push_back(parse_double(x, i));
-        plan.stack.emplace_back(std::move(xs));
-        break;
-      }
-      case 'B': {
-        c10::List<bool> xs;
-        for (const auto& x : split(v, ',')) xs.push_back(parse_bool(x, i));
-        plan.stack.emplace_back(std::move(xs));
-        break;
-      }
-      case 'a':
-      case 'm':
-      case 'r': {
-        int64_t k = parse_int(v, i);
-        if (k < 0) bad("negative buffer index", i);
-        if (tag == 'r' && plan.backward) bad("a backward plan takes mutated arguments as 'm', not 'r'", i);
-        if (tag == 'm' && !plan.backward) bad("'m' slots belong to backward plans", i);
-        plan.slots.push_back({i, tag == 'r', static_cast<size_t>(k), tag == 'm'});
-        if (tag != 'r' && static_cast<size_t>(k) >= plan.n_args) bad("argument slot past n_args", i);
-        if (tag != 'a') ++n_mutated;
-        plan.stack.emplace_back();
-        break;
-      }
-      default:
-        bad(std::string("unknown tag '") + tag + "'", i);
-    }
-  }
-  if (plan.backward) {
-    for (size_t l = 0; l < leaves.size(); ++l) {
-      bool found = false;
-      for (auto& s : plan.slots) {
-        if (static_cast<int64_t>(s.index) == leaves[l]) {
-          if (s.leaf >= 0) bad("argument " + std::to_string(leaves[l]) + " differentiated twice", lines.size());
-          s.leaf = static_cast<int64_t>(l);
-          found = true;
-        }
-      }
-      if (!found) bad("differentiated argument " + std::to_string(leaves[l]) + " is no tensor slot", lines.size());
-    }
-    for (size_t r : plan.outputs) {
-      if (r >= plan.n_returns + n_mutated) bad("cotangent for result " + std::to_string(r) + " past the op's results", lines.size() + 1);
-    }
-    plan.n_results = plan.n_leaves;
-    return;
-  }
-  plan.n_results = plan.n_returns + n_mutated;
-  for (const auto& s : plan.slots) {
-    if (s.from_result && (s.index < plan.n_returns || s.index >= plan.n_results)) {
-      bad("mutated-argument slot points at result " + std::to_string(s.index), s.stack_pos);
-    }
-  }
+  auto it = g_plans->find(id);
+  return it == g_plans->end() ? nullptr : it->second.get();
 }
 
 // ---------------------------------------------------------------- buffers as tensors
@@ -319,13 +119,40 @@ std::string describe(const at::Tensor& t) {
   return os.str();
 }
 
+ffi::Error arity_error(const Plan& plan, const char* what, size_t n_args, size_t n_rets) {
+  std::ostringstream os;
+  os << "op " << plan.name << " (" << what << "): got " << n_args << " argument and " << n_rets
+     << " result buffer(s), the plan expects " << plan.n_args << " and " << plan.n_results
+     << "; this is a bug in nvalchemi_jaxbridge (the plan and the ffi_call disagree), please report it";
+  return ffi::Error::Internal(os.str());
+}
+
+ffi::Error not_a_tensor(const Plan& plan, size_t j, const c10::IValue& v) {
+  std::ostringstream os;
+  os << "op " << plan.name << ": return " << j << " is a " << v.tagKind()
+     << ", not a Tensor; fix the op's implementation to return Tensors as its schema declares";
+  return ffi::Error::Internal(os.str());
+}
+
+// The op's result `j` written into XLA's result buffer `want` (unless the op wrote it there itself).
+ffi::Error write_result(const Plan& plan, size_t j, const at::Tensor& got, at::Tensor& want) {
+  if (got.sizes() != want.sizes() || got.scalar_type() != want.scalar_type()) {
+    std::ostringstream os;
+    os << "op " << plan.name << ": return " << j << " is " << describe(got) << " but JAX expected "
+       << describe(want) << " (from the op's fake implementation); its register_fake disagrees with "
+       << "its real implementation. Make the function registered with register_fake return the "
+       << "shapes and dtypes the op really returns";
+    return ffi::Error::InvalidArgument(os.str());
+  }
+  if (want.numel() != 0 && got.data_ptr() != want.data_ptr()) {
+    want.copy_(got);  // the op allocated its result: one copy on the current stream
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error run_plan(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device) {
   if (args.size() != plan.n_args || rets.size() != plan.n_results) {
-    std::ostringstream os;
-    os << "op " << plan.name << " (FFI call): got " << args.size() << " argument and " << rets.size()
-       << " result buffer(s), the plan expects " << plan.n_args << " and " << plan.n_results
-       << "; this is a bug in nvalchemi_jaxbridge (the plan and the ffi_call disagree), please report it";
-    return ffi::Error::Internal(os.str());
+    return arity_error(plan, "FFI call", args.size(), rets.size());
   }
   std::vector<at::Tensor> outs;
   outs.reserve(plan.n_results);
@@ -359,53 +186,32 @@ ffi::Error run_plan(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRet
     return ffi::Error::Internal(os.str());
   }
   for (size_t j = 0; j < plan.n_returns; ++j) {
-    if (!stack[j].isTensor()) {
-      std::ostringstream os;
-      os << "op " << plan.name << ": return " << j << " is a " << stack[j].tagKind()
-         << ", not a Tensor; fix the op's implementation to return Tensors as its schema declares";
-      return ffi::Error::Internal(os.str());
-    }
-    const at::Tensor& got = stack[j].toTensor();
-    at::Tensor& want = outs[j];
-    if (got.sizes() != want.sizes() || got.scalar_type() != want.scalar_type()) {
-      std::ostringstream os;
-      os << "op " << plan.name << ": return " << j << " is " << describe(got) << " but JAX expected "
-         << describe(want) << " (from the op's fake implementation); its register_fake disagrees with "
-         << "its real implementation. Make the function registered with register_fake return the "
-         << "shapes and dtypes the op really returns";
-      return ffi::Error::InvalidArgument(os.str());
-    }
-    if (want.numel() != 0 && got.data_ptr() != want.data_ptr()) {
-      want.copy_(got);  // a functional op allocated its result: one copy on the current stream
-    }
+    if (!stack[j].isTensor()) return not_a_tensor(plan, j, stack[j]);
+    ffi::Error err = write_result(plan, j, stack[j].toTensor(), outs[j]);
+    if (err.failure()) return err;
   }
   return ffi::Error::Success();
 }
 
-// The backward: the op re-run under autograd on the saved inputs, and the gradients of the
-// differentiated inputs for the incoming cotangents, as the callback path's backward computes them.
-ffi::Error run_backward(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device) {
-  if (args.size() != plan.n_args || rets.size() != plan.n_results) {
-    std::ostringstream os;
-    os << "op " << plan.name << " (FFI backward call): got " << args.size() << " argument and " << rets.size()
-       << " result buffer(s), the plan expects " << plan.n_args << " and " << plan.n_results
-       << "; this is a bug in nvalchemi_jaxbridge (the plan and the ffi_call disagree), please report it";
-    return ffi::Error::Internal(os.str());
-  }
-  // Grad on and dispatch from the top, so the op's autograd kernel (a register_autograd
-  // formula, a composite's decomposition) records the graph.
+// The op under autograd from the top of the dispatcher (its autograd kernel, a register_autograd
+// formula or a composite's decomposition, records the graph) on the FFI arguments of a
+// differentiated call's plan. The inputs are cloned where `keep` (the graph outlives XLA's
+// buffers) and else only where the op mutates them (never into XLA's buffer); the differentiated
+// ones are leaves. Fills `graph` and `results` (returns, then mutated arguments).
+ffi::Error run_autograd(const Plan& plan, ffi::RemainingArgs args, c10::Device device, bool keep, Graph& graph,
+                        std::vector<at::Tensor>& results) {
   at::AutoGradMode grad_on(true);
   std::vector<c10::IValue> stack = plan.stack;
-  std::vector<at::Tensor> leaves(plan.n_leaves);
+  graph.leaves.assign(plan.n_leaves, at::Tensor());
   std::vector<at::Tensor> mutated;
   for (const Slot& s : plan.slots) {
     auto a = args.get<ffi::AnyBuffer>(s.index);
     if (a.has_error()) return a.error();
     at::Tensor t = as_tensor(*a, device, plan, "argument", s.index);
-    if (s.cloned) t = t.clone();  // the op writes into it; never into XLA's buffer
+    if (keep || s.cloned) t = t.clone();
     if (s.leaf >= 0) {
       t.requires_grad_(true);
-      leaves[s.leaf] = t;
+      graph.leaves[s.leaf] = t;
       if (s.cloned) t = t.clone();  // in-place writes into a leaf are not allowed
     }
     if (s.cloned) mutated.push_back(t);
@@ -414,37 +220,89 @@ ffi::Error run_backward(const Plan& plan, ffi::RemainingArgs args, ffi::Remainin
   plan.op.callBoxed(stack);
   if (stack.size() != plan.n_returns) {
     std::ostringstream os;
-    os << "op " << plan.name << " returned " << stack.size() << " value(s) in its backward's re-run, its "
-       << "schema declares " << plan.n_returns << "; fix the op's implementation to match its schema";
+    os << "op " << plan.name << " returned " << stack.size() << " value(s) under autograd, its schema declares "
+       << plan.n_returns << "; fix the op's implementation to match its schema";
     return ffi::Error::Internal(os.str());
   }
+  results.clear();
+  for (size_t j = 0; j < plan.n_returns; ++j) {
+    if (!stack[j].isTensor()) return not_a_tensor(plan, j, stack[j]);
+    results.push_back(stack[j].toTensor());
+  }
+  results.insert(results.end(), mutated.begin(), mutated.end());
+  graph.outputs.clear();
+  for (size_t r : plan.outputs) {
+    const at::Tensor& res = results.at(r);
+    graph.outputs.push_back(res.requires_grad() ? res : at::Tensor());  // no graph: its cotangent adds nothing
+  }
+  return ffi::Error::Success();
+}
+
+// A differentiated call's forward: the op once under autograd, its results (returns, then mutated
+// arguments) into XLA's buffers, and the graph kept in the plan's table under the token written last.
+ffi::Error run_keep(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device) {
+  if (args.size() != plan.n_args || rets.size() != plan.n_results) {
+    return arity_error(plan, "FFI differentiated call", args.size(), rets.size());
+  }
+  Graph graph;
+  std::vector<at::Tensor> results;
+  ffi::Error err = run_autograd(plan, args, device, /*keep=*/true, graph, results);
+  if (err.failure()) return err;
+  at::NoGradGuard no_grad;
+  for (size_t j = 0; j < results.size(); ++j) {
+    auto b = rets.get<ffi::AnyBuffer>(j);
+    if (b.has_error()) return b.error();
+    at::Tensor want = as_tensor(**b, device, plan, "result", j);
+    err = write_result(plan, j, results[j], want);
+    if (err.failure()) return err;
+  }
+  auto b = rets.get<ffi::AnyBuffer>(plan.n_results - 1);
+  if (b.has_error()) return b.error();
+  at::Tensor want = as_tensor(**b, device, plan, "result", plan.n_results - 1);
+  const auto token = plan.graphs->keep(std::move(graph));
+  want.select(0, 0).fill_(token.first);  // fills, not a copy from the host: no stream synchronisation
+  want.select(0, 1).fill_(token.second);
+  return ffi::Error::Success();
+}
+
+// The backward: the graph the forward kept under the token (or, gone, the op re-run under autograd on
+// the saved inputs), and the gradients of the differentiated inputs for the incoming cotangents.
+ffi::Error run_backward(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device) {
+  if (args.size() != plan.n_args || rets.size() != plan.n_results) {
+    return arity_error(plan, "FFI backward call", args.size(), rets.size());
+  }
   const size_t first_ct = plan.n_args - plan.outputs.size();
+  auto tb = args.get<ffi::AnyBuffer>(first_ct - 1);
+  if (tb.has_error()) return tb.error();
+  at::Tensor token = as_tensor(*tb, device, plan, "argument", first_ct - 1).to(c10::kCPU);  // a GPU: one sync
+  if (token.scalar_type() != c10::ScalarType::Int || token.numel() != 2) {
+    return ffi::Error::Internal("op " + plan.name + " (FFI backward call): the graph token is " + describe(token) +
+                                ", not an int32 (2,); this is a bug in nvalchemi_jaxbridge, please report it");
+  }
+  std::optional<Graph> kept = plan.source->graphs->take(token.data_ptr<int32_t>()[0], token.data_ptr<int32_t>()[1]);
+  Graph graph;
+  if (kept) {
+    graph = std::move(*kept);
+  } else {
+    std::vector<at::Tensor> results;
+    ffi::Error err = run_autograd(plan, args, device, /*keep=*/false, graph, results);
+    if (err.failure()) return err;
+  }
   std::vector<at::Tensor> outs, cts;
   for (size_t j = 0; j < plan.outputs.size(); ++j) {
-    const size_t r = plan.outputs[j];
-    at::Tensor res;
-    if (r < plan.n_returns) {
-      if (!stack[r].isTensor()) {
-        std::ostringstream os;
-        os << "op " << plan.name << ": return " << r << " is a " << stack[r].tagKind()
-           << ", not a Tensor; fix the op's implementation to return Tensors as its schema declares";
-        return ffi::Error::Internal(os.str());
-      }
-      res = stack[r].toTensor();
-    } else {
-      res = mutated.at(r - plan.n_returns);
-    }
-    if (!res.requires_grad()) continue;  // no graph to this result: its cotangent adds nothing
+    if (!graph.outputs[j].defined()) continue;
     auto c = args.get<ffi::AnyBuffer>(first_ct + j);
     if (c.has_error()) return c.error();
-    outs.push_back(res);
+    outs.push_back(graph.outputs[j]);
     cts.push_back(as_tensor(*c, device, plan, "argument", first_ct + j));
   }
   std::vector<at::Tensor> grads(plan.n_leaves);
   if (!outs.empty() && plan.n_leaves > 0) {
-    grads = torch::autograd::grad(outs, leaves, cts, /*retain_graph=*/false, /*create_graph=*/false,
+    grads = torch::autograd::grad(outs, graph.leaves, cts, /*retain_graph=*/false, /*create_graph=*/false,
                                   /*allow_unused=*/true);
   }
+  graph = Graph();  // the graph goes now
+  outs.clear();
   for (size_t l = 0; l < plan.n_leaves; ++l) {
     auto b = rets.get<ffi::AnyBuffer>(l);
     if (b.has_error()) return b.error();
@@ -468,7 +326,11 @@ ffi::Error run_backward(const Plan& plan, ffi::RemainingArgs args, ffi::Remainin
 }
 
 ffi::Error run(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device) {
-  return plan.backward ? run_backward(plan, args, rets, device) : run_plan(plan, args, rets, device);
+  switch (plan.mode) {
+    case Mode::kKeep: return run_keep(plan, args, rets, device);
+    case Mode::kBackward: return run_backward(plan, args, rets, device);
+    default: return run_plan(plan, args, rets, device);
+  }
 }
 
 // torch's Python autograd engine, when a Python backward formula raises, also sets the error
@@ -510,12 +372,14 @@ ffi::Error guarded_call(int64_t plan_id, ffi::RemainingArgs args, ffi::Remaining
   } catch (...) {
     msg = "unknown C++ exception";
   }
-  if (plan->backward) clear_pending_python_error();
+  if (plan->mode != Mode::kCall) clear_pending_python_error();
   return ffi::Error(ffi::ErrorCode::kInternal,
                     "torch op " + plan->name + " failed inside its FFI " +
-                        (plan->backward ? "backward call (torch autograd re-running the op and its backward "
-                                          "formula on the saved inputs): "
-                                        : "call: ") +
+                        (plan->mode == Mode::kBackward
+                             ? "backward call (torch autograd running the op's backward formula on its graph, "
+                               "or re-running the op on the saved inputs): "
+                             : plan->mode == Mode::kKeep ? "differentiated call (the op under torch autograd): "
+                                                         : "call: ") +
                         msg);
 }
 
@@ -580,6 +444,12 @@ int jb_has_cuda() {
 #endif
 }
 
+// How many graphs the differentiated-forward plan `id` keeps now (0 for any other plan).
+int64_t jb_kept_graphs(int64_t id) {
+  const Plan* plan = find_plan(id);
+  return plan != nullptr && plan->graphs ? static_cast<int64_t>(plan->graphs->size()) : 0;
+}
+
 // The message of the last failed jb_register_plan on this thread.
 const char* jb_last_error() { return g_last_error.c_str(); }
 
@@ -592,8 +462,8 @@ int64_t jb_register_plan(const char* op, const char* overload, const char* encod
     const int64_t id = static_cast<int64_t>(fnv1a(key) >> 2);  // non-negative, -1 stays free
     {
       std::shared_lock<std::shared_mutex> lock(g_plans_mu);
-      auto it = g_plan_keys.find(id);
-      if (it != g_plan_keys.end()) {
+      auto it = g_plan_keys->find(id);
+      if (it != g_plan_keys->end()) {
         if (it->second == key) return id;
         g_last_error = "plan id collision between two different plans; use call_path=\"callback\" for op " +
                        std::string(op);
@@ -603,11 +473,20 @@ int64_t jb_register_plan(const char* op, const char* overload, const char* encod
     auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(op, overload);
     std::string name = std::string(op) + (overload[0] ? std::string(".") + overload : std::string());
     auto plan = std::make_unique<Plan>(name, handle);
-    decode_plan(*plan, encoded);
+    jb::decode_plan(*plan, encoded);
+    if (plan->mode == Mode::kKeep) plan->graphs = std::make_unique<jb::GraphTable>(plan->keep_cap);
+    if (plan->mode == Mode::kBackward) {
+      plan->source = find_plan(plan->source_id);
+      if (plan->source == nullptr || plan->source->mode != Mode::kKeep) {
+        g_last_error = "the backward plan names plan " + std::to_string(plan->source_id) +
+                       ", which is no registered differentiated forward (register the forward first)";
+        return -1;
+      }
+    }
     std::unique_lock<std::shared_mutex> lock(g_plans_mu);
-    if (g_plan_keys.count(id) == 0) {
-      g_plans.emplace(id, std::move(plan));
-      g_plan_keys.emplace(id, key);
+    if (g_plan_keys->count(id) == 0) {
+      g_plans->emplace(id, std::move(plan));
+      g_plan_keys->emplace(id, key);
     }
     return id;
   } catch (const c10::Error& e) {
