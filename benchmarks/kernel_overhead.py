@@ -18,8 +18,8 @@ The JAX paths are timed by wall clock around the call and `block_until_ready`.
 Two more tables compare the bridge's two call paths in one process, calls
 alternating: "callback vs FFI" (before = buffer_callback, after = FFI; forward and
 `jax.grad`, whose backward runs on the same path as the forward: the callback backward
-against the FFI backward; XLA drops the unused forward call from the gradient's
-program on both paths, so the grad rows time the backward call), and "inside one
+against the FFI backward; the differentiated forward keeps the op's graph for the
+backward, so the grad rows time one forward and one backward call), and "inside one
 program": a chain of N dependent calls unrolled in one jitted program (time / N)
 for both paths and for native torch (N dependent calls, one synchronize at the
 end), which takes the cost of dispatching a program out of the per-call figure.
@@ -265,7 +265,7 @@ def _breakdown_paths(name, op, targs, jargs, gpu: bool, kernel_cls) -> dict[str,
     if _grad_op(name) is not None:
         kg = kernel_cls(_grad_op(name), outputs=(0,), call_path="callback")
         g = jax.jit(jax.grad(lambda x, *rest: jnp.sum(kg(x, *rest))))
-        # the gradient's program keeps only the backward call: XLA drops the unused forward
+        # one forward (keeping the op's graph) and one backward call, as torch's own backward
         paths["(vii) jax.grad of sum(output 0), TorchOpKernel, op with a backward formula (backward callback)"] = (lambda: g(*jargs), "grad")
         kgf = kernel_cls(_grad_op(name), outputs=(0,), call_path="ffi")
         gf = jax.jit(jax.grad(lambda x, *rest: jnp.sum(kgf(x, *rest))))
