@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import collectives as C
+from .arguments import refuse_narrowing
 from .tables import HaloTables, ShardTables
 
 if TYPE_CHECKING:
@@ -214,6 +215,7 @@ def _global(cs: CompiledSpec, method: str, x: Any, rows: int | None, store: str)
         if not x.is_fully_addressable:
             raise ValueError(f"CompiledSpec.{method}: the array must be sharded P({cs.axis!r}) over the mesh, "
                              f"got {x.sharding}.")
+    refuse_narrowing(x, f"CompiledSpec.{method}: its input")
     return cs._sharded(np.asarray(x))
 
 

@@ -51,13 +51,15 @@ def _wide(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     return (np.arange(int(np.prod(shape))).reshape(shape) + 2**40).astype(dtype)
 
 
-@hypothesis.settings(max_examples=20)
+@hypothesis.settings(max_examples=40)
 @hypothesis.given(dtype=st.sampled_from(sorted(WIDE)),
-                  door=st.sampled_from(["owned", "halo", "shard_owned", "call_gathered", "call_plain", "call_scalar"]))
+                  door=st.sampled_from(["owned", "halo", "shard_owned", "call_gathered", "call_plain", "call_scalar",
+                                        "refresh", "fold", "owned_to_halo", "halo_to_owned"]))
 def test_64_bit_inputs_are_refused_with_x64_off(system, dtype, door):
     with jax.enable_x64(False):
         cs = _halo_cs(system)
         owned_rows = 2 * cs.tables.owned_capacity
+        halo_rows = 2 * cs.tables.halo_rows
         call = {
             "owned": lambda: cs.owned(_wide(dtype, (N,))),
             "halo": lambda: cs.halo(_wide(dtype, (N, 2))),
@@ -66,6 +68,10 @@ def test_64_bit_inputs_are_refused_with_x64_off(system, dtype, door):
             "call_gathered": lambda: cs.call(GATHER, _wide(dtype, (owned_rows,))),
             "call_plain": lambda: cs.call(SCALE, cs.owned(np.ones(N, np.float32)), _wide(dtype, (1,))),
             "call_scalar": lambda: cs.call(SCALE, cs.owned(np.ones(N, np.float32)), _wide(dtype, (1,))[0]),
+            "refresh": lambda: cs.refresh(_wide(dtype, (halo_rows,))),
+            "fold": lambda: cs.fold(_wide(dtype, (halo_rows,))),
+            "owned_to_halo": lambda: cs.owned_to_halo(_wide(dtype, (owned_rows,))),
+            "halo_to_owned": lambda: cs.halo_to_owned(_wide(dtype, (halo_rows,))),
         }[door]
         with pytest.raises(ValueError, match=rf"has dtype {dtype}, but jax_enable_x64 is off, so JAX would silently "
                                              rf"cut it to {WIDE[dtype]} .*jax\.config\.update\(\"jax_enable_x64\", "
