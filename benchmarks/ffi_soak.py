@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample", type=int, default=50, help="read RSS every this many steps")
     p.add_argument("--cells", type=int, default=3, help="fcc cells per side (4 atoms each)")
     p.add_argument("--before", default=None, help="another checkout's root: its package is run too (before/after)")
+    p.add_argument("--paths", default=",".join(PATHS), help=f"call paths to soak, comma list of {', '.join(PATHS)}")
     p.add_argument("--child-timeout-s", type=float, default=1800.0)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one soak, run by the parent
     p.add_argument("--path", choices=PATHS, default="ffi", help=argparse.SUPPRESS)
@@ -151,8 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = rep.table("RSS over the loop", ["package", "path", "forces", "steps", "RSS after warm-up (MB)",
                                            "RSS at end (MB)", "slope (MB / 1000 steps)", "step (ms)"])
     packages = [("before", a.before), ("this checkout", None)] if a.before else [("this checkout", None)]
+    paths = [x for x in a.paths.split(",") if x]
+    if bad := sorted(set(paths) - set(PATHS)):
+        raise SystemExit(f"ffi_soak: unknown --paths {bad}; choose from {', '.join(PATHS)}.")
     for label, root in packages:
-        for path in PATHS:
+        for path in paths:
             for forces in FORCES:
                 with rep.section(f"{label} {path} {forces}"):
                     r = _run_child(a, path, forces, root)

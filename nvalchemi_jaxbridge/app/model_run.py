@@ -141,7 +141,8 @@ def load_wrapper(config: ModelRunConfig, dtype: str = "float64") -> Any:
             return MPNNWrapper(MPNN(SPECIES, seed=config.seed).to(tdtype))  # the same weights in either dtype
         from ..mlip.mace import MACEWrapper, random_mace
 
-        return MACEWrapper(random_mace(SPECIES, seed=config.seed, dtype=tdtype))
+        # edge harmonics to l = 2: MACE's code paths at a fraction of l = 3's build and run time
+        return MACEWrapper(random_mace(SPECIES, seed=config.seed, dtype=tdtype, max_ell=2))
     model = torch.load(config.checkpoint, map_location="cpu", weights_only=False)
     kind = "mpnn" if isinstance(model, MPNN) else "mace" if type(model).__module__.startswith("mace.") else None
     if kind is None:
