@@ -134,28 +134,42 @@ def forward(binding: OpBinding, statics, array_pos, mutated_pos, specs) -> Calla
     # its input by XLA, so the op writes straight into JAX's result), or None
     source = tuple(out_of.get(i) for i in array_pos)
     call = _op_caller(binding, statics, array_pos)
+
+    def body(outs: Sequence[Any], ins: Sequence[Any]) -> None:
+        t_out = [buffer_to_torch(b) for b in outs]
+        res = call([buffer_to_torch(ins[k]) if j is None else t_out[j] for k, j in enumerate(source)])
+        for o, r in zip(t_out, res):  # returns only; mutated arguments were written in place
+            if o.data_ptr() != r.data_ptr() or o.numel() == 0:
+                o.copy_(r)  # a functional op allocates its result: one device copy
+
+    callback = _on_xla_stream(binding.name, "call", False, body)
+    return buffer_callback(callback, specs, input_output_aliases=aliases or None)
+
+
+def _on_xla_stream(name: str, what: str, grad: bool, body: Callable[[Sequence[Any], Sequence[Any]], None]
+                   ) -> Callable[..., None]:
+    """The `buffer_callback` callback running `body(outs, ins)` on XLA's stream with torch's grad mode `grad`.
+
+    The stream, device and grad mode are restored after; a failure is logged at once
+    (`_report_failure`, naming the op and `what`) and raised.
+    """
     set_grad, grad_enabled = torch._C._set_grad_enabled, torch.is_grad_enabled
-    name = binding.name
 
     def callback(ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
         saved = _enter_xla_stream(ctx, outs[0])
-        grad = grad_enabled()
-        set_grad(False)
+        was = grad_enabled()
+        set_grad(grad)
         try:
-            t_out = [buffer_to_torch(b) for b in outs]
-            res = call([buffer_to_torch(ins[k]) if j is None else t_out[j] for k, j in enumerate(source)])
-            for o, r in zip(t_out, res):  # returns only; mutated arguments were written in place
-                if o.data_ptr() != r.data_ptr() or o.numel() == 0:
-                    o.copy_(r)  # a functional op allocates its result: one device copy
+            body(outs, ins)
         except BaseException as e:
-            _report_failure(name, "call", outs[0], e)
+            _report_failure(name, what, outs[0], e)
             raise
         finally:
-            set_grad(grad)
+            set_grad(was)
             if saved is not None:
                 _leave_xla_stream(saved)
 
-    return buffer_callback(callback, specs, input_output_aliases=aliases or None)
+    return callback
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,29 +225,18 @@ def forward_keeping(
     n_ret = binding.n_returns
     aliases = {call.array_pos.index(i): n_ret + j for j, i in enumerate(call.mutated_pos)}
     specs = (*call.result_specs, jax.ShapeDtypeStruct(TOKEN_SHAPE, TOKEN_DTYPE))
-    set_grad, grad_enabled = torch._C._set_grad_enabled, torch.is_grad_enabled
-    name = binding.name
+    set_grad = torch._C._set_grad_enabled
 
-    def callback(ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
-        saved = _enter_xla_stream(ctx, outs[0])
-        grad = grad_enabled()
-        set_grad(True)
-        try:
-            leaves, results, outputs = _run_under_autograd(plan, ins, keep=True)
-            set_grad(False)
-            for b, r in zip(outs, results):  # mutated arguments too: the op wrote into clones
-                buffer_to_torch(b).copy_(r)
-            token = buffer_to_torch(outs[-1])
-            for j, v in enumerate(table.keep((leaves, outputs))):
-                token[j].fill_(v)  # a fill, not a copy from the host: no stream synchronisation
-        except BaseException as e:
-            _report_failure(name, "call", outs[0], e)
-            raise
-        finally:
-            set_grad(grad)
-            if saved is not None:
-                _leave_xla_stream(saved)
+    def body(outs: Sequence[Any], ins: Sequence[Any]) -> None:
+        leaves, results, outputs = _run_under_autograd(plan, ins, keep=True)
+        set_grad(False)
+        for b, r in zip(outs, results):  # mutated arguments too: the op wrote into clones
+            buffer_to_torch(b).copy_(r)
+        token = buffer_to_torch(outs[-1])
+        for j, v in enumerate(table.keep((leaves, outputs))):
+            token[j].fill_(v)  # a fill, not a copy from the host: no stream synchronisation
 
+    callback = _on_xla_stream(binding.name, "call", True, body)
     return buffer_callback(callback, specs, input_output_aliases=aliases or None)
 
 
@@ -247,39 +250,26 @@ def backward_body(
     """
     plan = _grad_plan(binding, call, dtypes, ct_idx)
     n_arrays = len(call.array_pos)
-    set_grad, grad_enabled = torch._C._set_grad_enabled, torch.is_grad_enabled
-    name = binding.name
 
-    def callback(ctx: Any, outs: Sequence[Any], *ins: Any) -> None:
-        saved = _enter_xla_stream(ctx, outs[0])
-        grad = grad_enabled()
-        set_grad(True)
-        try:
-            kept = table.take(tuple(buffer_to_torch(ins[n_arrays]).tolist()))
-            if kept is None:  # gone (a second pullback, evicted): the op again on the saved inputs
-                leaves, _, outputs = _run_under_autograd(plan, ins[:n_arrays], keep=False)
+    def body(outs: Sequence[Any], ins: Sequence[Any]) -> None:
+        kept = table.take(tuple(buffer_to_torch(ins[n_arrays]).tolist()))
+        if kept is None:  # gone (a second pullback, evicted): the op again on the saved inputs
+            leaves, _, outputs = _run_under_autograd(plan, ins[:n_arrays], keep=False)
+        else:
+            leaves, outputs = kept
+        live = [(r, buffer_to_torch(ins[n_arrays + 1 + c])) for c, r in enumerate(outputs) if r is not None]
+        grads: Sequence[Any] = [None] * len(leaves)
+        if live:
+            grads = torch.autograd.grad([r for r, _ in live], leaves, [c for _, c in live], allow_unused=True)
+        del kept, leaves, outputs, live  # the graph goes now, not with the frame
+        for b, g in zip(outs, grads):
+            o = buffer_to_torch(b)
+            if g is None:
+                o.zero_()
             else:
-                leaves, outputs = kept
-            live = [(r, buffer_to_torch(ins[n_arrays + 1 + c])) for c, r in enumerate(outputs) if r is not None]
-            grads: Sequence[Any] = [None] * len(leaves)
-            if live:
-                grads = torch.autograd.grad([r for r, _ in live], leaves, [c for _, c in live], allow_unused=True)
-            del kept, leaves, outputs, live  # the graph goes now, not with the frame
-            for b, g in zip(outs, grads):
-                o = buffer_to_torch(b)
-                if g is None:
-                    o.zero_()
-                else:
-                    o.copy_(g)
-        except BaseException as e:
-            _report_failure(name, "backward call", outs[0], e)
-            raise
-        finally:
-            set_grad(grad)
-            if saved is not None:
-                _leave_xla_stream(saved)
+                o.copy_(g)
 
-    return callback
+    return _on_xla_stream(binding.name, "backward call", True, body)
 
 
 def _report_failure(op: str, what: str, buf: Any, e: BaseException) -> None:
