@@ -114,8 +114,11 @@ def _mvv2e() -> float:
 # ------------------------------------------------------------------ no bridge
 
 
-def run_torch(case: Case, dtype: str, dev, iters: int, warmup: int, skin: float):
-    """(median step s, first-step forces (N, 3) numpy, extra info) of the pure torch run."""
+def torch_stepper(case: Case, dtype: str, dev, skin: float):
+    """(step, first-step forces (N, 3) torch, energy, info) of the no-bridge run; `step()` advances one Verlet step.
+
+    `info["rows"]` is the block's row count, `info["op_args"]()` the op's array arguments at the current state.
+    """
     import torch
 
     plan = plan_for(case, 1, skin)
@@ -145,20 +148,37 @@ def run_torch(case: Case, dtype: str, dev, iters: int, warmup: int, skin: float)
         x = s["x"] + dt * v
         _, f = forces(x)
         state.update(x=x, v=v + 0.5 * dt * f * inv_m, f=f)
+        return f
 
+    def op_args():
+        rows = state["x"].index_select(0, ids) + shift
+        return (rows, mask) if q_rows is None else (rows, q_rows, mask)
+
+    return step, f0, e0, {"rows": n_pad, "op_args": op_args}
+
+
+def run_torch(case: Case, dtype: str, dev, iters: int, warmup: int, skin: float):
+    """(median step s, first-step forces (N, 3) numpy, extra info) of the pure torch run."""
+    import torch
+
+    step, f0, e0, info = torch_stepper(case, dtype, dev, skin)
     iters = _iters_for(lambda: (step(), torch.cuda.synchronize(dev) if dev.type == "cuda" else None), iters)
     wall, ev = cm.time_torch(step, warmup=warmup, iters=iters, device=dev)
     t = cm.med(ev) if ev else cm.med(wall)
-    return t, f0.double().cpu().numpy(), float(e0), {"rows": n_pad}
+    return t, f0.double().cpu().numpy(), float(e0), {"rows": info["rows"]}
 
 
 # ------------------------------------------------------------------ bridge
 
 
-def run_bridge(case: Case, n_dev: int, dtype: str, iters: int, warmup: int, skin: float):
-    """(median step s, first-step forces (N, 3), energy, info) through compile() on an n_dev mesh."""
+def bridge_stepper(case: Case, n_dev: int, dtype: str, skin: float):
+    """(one, first-step forces (N, 3) numpy, energy, info) through compile() on an n_dev mesh.
+
+    `one()` advances the state one Verlet step: one dispatch of one jitted program. `info["program"]`
+    is that program, `info["args"]()` its current arguments and `info["op_args"]()` the op's array
+    arguments (halo rows) at the current state.
+    """
     import jax
-    import jax.numpy as jnp
 
     from nvalchemi_jaxbridge.kernels import compile as kcompile
     from nvalchemi_jaxbridge.lower import make_mesh
@@ -206,14 +226,25 @@ def run_bridge(case: Case, n_dev: int, dtype: str, iters: int, warmup: int, skin
         state[:] = out[:3]
         return out
 
+    info = {"oc": oc, "hr": hr, "needed": int(np.max(plan.n_owned + plan.n_ghost)),
+            "program": step, "args": lambda: (cs, *state, q),
+            "op_args": lambda: (cs.owned_to_halo(state[0], positions=True),
+                                *(() if q is None else (cs.owned_to_halo(q),)), cs.halo_owned_mask())}
+    return one, cs.to_global(np.asarray(f0, dtype=np.float64)), float(e0), info
+
+
+def run_bridge(case: Case, n_dev: int, dtype: str, iters: int, warmup: int, skin: float):
+    """(median step s, first-step forces (N, 3), energy, info) through compile() on an n_dev mesh."""
+    import jax
+
+    one, f0g, e0, info = bridge_stepper(case, n_dev, dtype, skin)
     iters = _iters_for(lambda: jax.block_until_ready(one()), iters)
     times = cm.time_jax(one, warmup=warmup, iters=iters)
-    info = {"oc": oc, "hr": hr, "needed": int(np.max(plan.n_owned + plan.n_ghost)),
-            "rows_held": sorted({s.data.shape[0] for a in state for s in a.addressable_shards}),
-            "memory": _program_memory(step, cs, *state, q)}
-    f0g = cs.to_global(np.asarray(f0, dtype=np.float64))
-    del state, cs
-    return cm.med(times), f0g, float(e0), info
+    args = info.pop("args")()
+    info["rows_held"] = sorted({s.data.shape[0] for a in args[1:4] for s in a.addressable_shards})
+    info["memory"] = _program_memory(info.pop("program"), *args)
+    del args
+    return cm.med(times), f0g, e0, info
 
 
 def _iters_for(call, iters: int, seconds: float = 3.0) -> int:

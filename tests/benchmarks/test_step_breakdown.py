@@ -1,0 +1,36 @@
+"""benchmarks/md_breakdown.py and benchmarks/dispatch_floor.py run end to end on the CPU, in this process.
+
+Each checks its runs against each other before it times them (dispatch_floor: every row gives 2 x;
+md_breakdown: the bridge's and native's steps come from md_step.py, whose forces the smoke test checks).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import dispatch_floor  # noqa: E402
+import md_breakdown  # noqa: E402
+
+
+def test_md_breakdown_smoke_has_every_run(tmp_path):
+    assert md_breakdown.main(["--platform", "cpu", "--smoke", "--kernels", "torch-cells", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "md_breakdown.md").read_text()
+    for run in ("| native |", "| bridge |", "| op alone, native rows |", "| op alone, bridge rows |"):
+        assert run in text, run
+
+
+def test_dispatch_floor_smoke_gives_each_component(tmp_path):
+    assert dispatch_floor.main(["--platform", "cpu", "--smoke", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "dispatch_floor.md").read_text()
+    assert text.count("), ATen op |") == 2 and text.count("), custom op |") == 2  # ffi and callback
+    assert "pure XLA - native ATen" in text and "Target:" in text
+
+
+def test_xla_kernels_are_told_from_torch_and_triton_kernels():
+    assert md_breakdown.is_xla_kernel("loop_add_fusion") and md_breakdown.is_xla_kernel("input_reduce_fusion_1")
+    assert not md_breakdown.is_xla_kernel("void at::native::elementwise_kernel<128, 2>")
+    assert not md_breakdown.is_xla_kernel("lj_kernel")  # a Triton kernel's own name
