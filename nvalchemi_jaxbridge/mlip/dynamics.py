@@ -9,6 +9,7 @@ Units: Å, fs, amu, eV.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,9 @@ def _step_fn(model: DistributedMLIP) -> Callable[..., tuple[MDState, jax.Array]]
 
     `moved_too_far` is True when an owned atom ended the step more than skin/2 from
     the layout's reference position: the block's edges may then miss a pair, so
-    the caller must not keep the step.
+    the caller must not keep the step. `dt` is traced: a step of 0 fs (which leaves
+    positions and velocities as they are) gives the first forces from the same
+    compiled program.
     """
     grad = jax.value_and_grad(model.energy_fn, argnums=1, has_aux=True)
     limit = (model.skin / 2) ** 2
@@ -40,7 +43,15 @@ def _step_fn(model: DistributedMLIP) -> Callable[..., tuple[MDState, jax.Array]]
         d = out.positions - reference
         return out, jnp.max(jnp.sum(d * d, axis=1)) > limit
 
-    return jax.jit(step, static_argnums=4)
+    jitted = jax.jit(step)
+
+    def call(layout: ModelState, md: MDState, masses: jax.Array, reference: jax.Array, dt: float
+             ) -> tuple[MDState, jax.Array]:
+        # the step never reads the energy it is given: leaving it out keeps one compiled program for the
+        # first call (an energy placed by the caller) and every later one (the energy a step returned)
+        return jitted(layout, dataclasses.replace(md, energy=None), masses, reference, dt)
+
+    return call
 
 
 def nve(model: DistributedMLIP, positions: Any, velocities: Any, masses: Any, numbers: Any, cell: Any,
@@ -80,13 +91,11 @@ def nve(model: DistributedMLIP, positions: Any, velocities: Any, masses: Any, nu
         """The MD state in `layout`'s owned storage (forces evaluated unless given), masses, reference."""
         m = owned(layout, m_global) + jnp.asarray(1.0 - layout.plan.owned_mask.reshape(-1), dtype)  # padding: 1 amu
         x_o, v_o = owned(layout, x, positions=True), owned(layout, v)
-        if f is None:
-            energy, _, g, _ = model.energy_and_gradients(layout, x_o)  # jitted (an eager shard_map is slow)
-            f_o = -g
-        else:
-            f_o = owned(layout, f)
         reference = owned(layout, layout.plan.reference_positions, positions=True)  # padding parked like x_o
-        return MDState(x_o, v_o, f_o, energy), m, reference
+        if f is None:  # a step of 0 fs: the forces at x_o, from the program every later step runs
+            md, _ = step(layout, MDState(x_o, v_o, jnp.zeros_like(x_o), None), m, reference, 0.0)
+            return md, m, reference
+        return MDState(x_o, v_o, owned(layout, f), energy), m, reference
 
     def relayout(layout: ModelState, md: MDState) -> tuple[ModelState, MDState, jax.Array, jax.Array]:
         """A layout rebuilt at `md`'s positions, with `md` moved into it (forces kept, not recomputed)."""
@@ -103,7 +112,7 @@ def nve(model: DistributedMLIP, positions: Any, velocities: Any, masses: Any, nu
         n = min(chunk, steps - done)
         new, flag = md, False
         for _ in range(n):
-            new, moved = step(layout, new, m, ref, float(dt))
+            new, moved = step(layout, new, m, ref, dt)
             flag = flag | moved
         if bool(flag):  # an atom left the layout's skin inside the chunk: redo it, from a fresh layout
             if n == 1 and layout.plan.max_displacement(layout.cs.to_global(md.positions)) == 0.0:
