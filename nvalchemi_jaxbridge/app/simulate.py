@@ -141,7 +141,7 @@ def run(config: RunConfig, *, progress: Callable[..., Any] | None = None) -> Run
         energy, f_halo = outs
         return energy, owned_rows(cs, f_halo)
 
-    def step(cs: Any, state: md.MDState, lay: dict[str, Any], key: Any) -> tuple[md.MDState, Any]:
+    def step(cs: Any, state: md.MDState, lay: dict[str, Any], key: Any, dt: Any) -> tuple[md.MDState, Any]:
         inv_m = lay["inv_mass"][:, None]
         v = state.velocities + 0.5 * dt * state.forces * inv_m
         if friction is None:
@@ -161,17 +161,19 @@ def run(config: RunConfig, *, progress: Callable[..., Any] | None = None) -> Run
         moved = jnp.sqrt(jnp.max(jnp.sum(d * d, axis=1)))
         return md.MDState(x, v, f, energy), jnp.stack([energy, kinetic, moved.astype(energy.dtype)])
 
-    step_fn = jax.jit(step)
-    init_fn = jax.jit(forces)
+    jitted_step = jax.jit(step)
+
+    def step_fn(cs: Any, state: md.MDState, lay: dict[str, Any], key: Any, dt: float = dt) -> tuple[md.MDState, Any]:
+        # the step never reads the energy it is given: leaving it out keeps one compiled program for every call
+        return jitted_step(cs, dataclasses.replace(state, energy=None), lay, key, dt)
 
     def place(cs: Any, pos: np.ndarray, vel: np.ndarray, frc: np.ndarray | None, lay: dict[str, Any]) -> md.MDState:
         x = cs.owned(pos.astype(dtype), positions=True)
         v = cs.owned(vel.astype(dtype))
-        if frc is None:
-            energy, f = init_fn(cs, x, lay)
-        else:
-            energy, f = jnp.zeros((), dtype), cs.owned(frc.astype(dtype))
-        return md.MDState(x, v, f, energy)
+        if frc is None:  # a step of 0 fs (x and v stay as they are): the forces at x, from the step's own program
+            state, _ = step_fn(cs, md.MDState(x, v, jnp.zeros_like(x), None), lay, jax.random.key(0), 0.0)
+            return state
+        return md.MDState(x, v, cs.owned(frc.astype(dtype)), jnp.zeros((), dtype))
 
     if progress is not None:
         progress(0, phase="compiling")
