@@ -164,6 +164,18 @@ def build_model(random_mace: Any, dtype: Any, cfg: dict[str, Any], script: bool)
         e3nn.set_optimization_defaults(jit_script_fx=old)
 
 
+def to_cueq(model: Any, dev: Any) -> Any:
+    """The same MACE with cuequivariance kernels (mace-torch's converter; weights transferred)."""
+    import torch
+    from mace.cli.convert_e3nn_cueq import run as e3nn_to_cueq
+
+    dtype = torch.get_default_dtype()
+    try:  # the converter sets torch's default dtype to the model's
+        return e3nn_to_cueq(model, device=dev.type, return_model=True).to(dev)
+    finally:
+        torch.set_default_dtype(dtype)
+
+
 def make_bridge(cls: Any, wrapper_cls: Any, model: Any, dev: Any, kw: dict[str, Any]) -> Any:
     """`DistributedMLIP(MACEWrapper(model), n_devices=1, **kw)` (the mesh's one device holds the model)."""
     del dev
@@ -298,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-only", action="store_true", help="run the scatter probe alone (no model runs)")
     p.add_argument("--no-scatter-probe", action="store_true", help="skip the index_add_ padding-row probe")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first failed (not out-of-memory) section")
+    p.add_argument("--cueq", action="store_true",
+                   help="convert the model to cuequivariance kernels (mace's convert_e3nn_cueq) for native and bridge")
     a = p.parse_args(argv)
     a.hidden_given = a.hidden is not None
     a.hidden = a.hidden or "128x0e + 128x1o"
@@ -354,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                         "on: e3nn's defaults (TorchScript tensor products and spherical harmonics), native and bridge"),
         "torch TF32 matmul": str(torch.backends.cuda.matmul.allow_tf32),
         "budget": f"{a.budget_s:.0f} s",
+        "cuequivariance": ("on: the model converted by mace.cli.convert_e3nn_cueq (layout ir_mul, conv fusion on "
+                           "CUDA), same weights, for native and bridge" if a.cueq else "off"),
     }
     rep = cm.Report("mace_one_gpu", "MACE energy + forces on one device: JAX front door vs native", a.out, ctx,
                     settings)
@@ -407,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
             tdt = getattr(torch, dtype)
             if dtype not in models:
                 models[dtype] = build_model(random_mace, tdt, cfg, a.torchscript == "on").to(dev)
+                if a.cueq:
+                    models[dtype] = to_cueq(models[dtype], dev)
             model = models[dtype]
             nat: dict[str, Any] | None = None
             native_oom = False
