@@ -52,6 +52,7 @@ import _common as cm
 import numpy as np
 
 T2J_CACHE = pathlib.Path("~/.cache/jaxbridge-bench").expanduser()
+SMOKE_CHAIN = 4  # unrolled calls in the smoke run's one-program chain: the path, not the per-call figure
 
 
 def _t2j_module():
@@ -502,8 +503,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the breakdown of one call (and --before's table); the default run includes it")
     p.add_argument("--before", type=pathlib.Path, default=None,
                    help="root of another checkout whose TorchOpKernel is timed against this one's")
-    p.add_argument("--chain", type=int, default=32,
-                   help="dependent calls unrolled in one program for the 'inside one program' table")
+    p.add_argument("--chain", type=int, default=None,
+                   help="dependent calls unrolled in one program for the 'inside one program' table "
+                        f"(default 32, smoke {SMOKE_CHAIN})")
     a = p.parse_args(argv)
     platform = cm.setup(a.platform, cpu_devices=1)  # one device is all this benchmark uses
     if a.prebuild_torch2jax:
@@ -605,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _run_breakdown(rep, cases, jdev, platform == "gpu", warmup, iters, flat)
     _run_paths(rep, cases, jdev, warmup, iters, flat)
-    _run_chain(rep, cases, jdev, dev, a.chain, warmup, max(10, iters // 2), flat)
+    _run_chain(rep, cases, jdev, dev, a.chain or (SMOKE_CHAIN if a.smoke else 32), warmup, max(10, iters // 2), flat)
     if a.before is not None:
         _run_compare(rep, cases, jdev, a.before, warmup, iters, flat)
     with rep.section("targets"):

@@ -34,7 +34,9 @@ import numpy as np
 LADDER = {"lj": [14, 18, 22, 28, 35], "dsf": [11, 14, 18, 22, 28]}  # cubic cells; 4 resp. 8 atoms each
 # the cell-list op: 10976, 42592, 171500, 500000, 1000188 and 2048000 argon atoms
 LADDER_CELLS = [14, 22, 35, 50, 63, 80]
-SMOKE_LADDER = {"lj": [2], "dsf": [2]}
+# smoke: 4 argon atoms (one cell, so its ghosts are images of its own atoms; 40 rows, where the Triton
+# interpreter runs the dense LJ kernel in a fraction of a second) and 64 ions of rock salt
+SMOKE_LADDER = {"lj": [1], "dsf": [2]}
 SMOKE_LADDER_CELLS = [2, 3]
 KERNELS = ("torch", "triton", "torch-cells")
 OP_NAMES = {  # (system, kernel) -> jaxbridge_demo:: op
@@ -42,7 +44,7 @@ OP_NAMES = {  # (system, kernel) -> jaxbridge_demo:: op
     ("lj", "torch-cells"): "lj_energy_forces_cells",
     ("dsf", "torch"): "dsf_energy_forces", ("dsf", "triton"): "dsf_energy_forces_triton",
 }
-SMOKE_CUTOFF = 4.5  # A: smaller blocks, so the Triton interpreter finishes quickly on the CPU
+SMOKE_CUTOFF = 4.0  # A: past argon's nearest neighbours (3.7 A); small blocks for the Triton interpreter
 DT = {"lj": 2.0, "dsf": 1.0}  # fs
 MODES = ("torch, 1 dev", "bridge, 1 dev", "bridge, 2 dev")
 

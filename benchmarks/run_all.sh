@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the four benchmarks in sequence, each under a timeout, and collect their markdown in OUTDIR.
+# Run the four benchmarks in sequence, each under a timeout, and collect their markdown in OUTDIR
+# (--smoke, the CPU dry run: all four in one Python process under one timeout, see below).
 #
 #   benchmarks/run_all.sh OUTDIR [--smoke]
 #
@@ -46,10 +47,53 @@ if [ -z "$SMOKE" ]; then
 fi
 
 if [ -n "$SMOKE" ]; then
-  run halo_exchange 120
-  run front_door 120 --timeout-s 100
-  run md_step 300 --budget-s 200
-  run kernel_overhead 120 --torch2jax cached
+  # The four run in turn in ONE Python process, each as its script's __main__ with these arguments
+  # (front_door still starts its two ranks): processes of their own would each import jax, torch and
+  # triton again, 5-10 CPU-s apiece, as much as a smoke run's own work. JAX starts with halo_exchange's
+  # 8 CPU devices (kernel_overhead, alone, asks for 1; it uses the first). Each writes OUT/NAME.log; one
+  # that fails does not stop the others. XLA skips its LLVM optimisation (level 0): a smoke run times
+  # nothing, and compiling its ~80 programs is a large part of its CPU time.
+  SMOKE_RUNS=("halo_exchange" "front_door --timeout-s 100" "md_step --budget-s 200" "kernel_overhead --torch2jax cached")
+  export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_backend_optimization_level=0"
+  log "smoke: ${SMOKE_RUNS[*]%% *} in one process (timeout 360 s)"
+  t0=$SECONDS
+  timeout -k 10 360 "$PY" - "$OUT" "${SMOKE_RUNS[@]}" > "$OUT/smoke.log" 2>&1 <<'EOF'
+import contextlib, os, resource, runpy, sys, time, traceback
+
+sys.path.insert(0, os.path.abspath("benchmarks"))  # the scripts import _common from their folder
+out = sys.argv[1]
+
+
+def cpu_s():  # user + system seconds of this process and of its children that ended (front_door's ranks)
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+for name, *args in (run.split() for run in sys.argv[2:]):
+    t0, c0, rc = time.perf_counter(), cpu_s(), 0
+    sys.argv = [f"benchmarks/{name}.py", "--out", out, "--smoke", *args]
+    with open(f"{out}/{name}.log", "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        try:
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        except SystemExit as e:  # sys.exit(main()), or a message such as md_step's for an unknown kernel
+            rc = e.code if isinstance(e.code, int) else int(e.code is not None)
+            if rc and not isinstance(e.code, int):
+                print(e.code, file=sys.stderr)
+        except Exception:
+            traceback.print_exc()
+            rc = 1
+    print(f"status {name}={rc} after {time.perf_counter() - t0:.0f} s, {cpu_s() - c0:.1f} CPU-s", flush=True)
+EOF
+  rc=$?
+  [ $rc -eq 124 ] && log "smoke: TIMED OUT after 360 s (partial tables kept)"
+  for run in "${SMOKE_RUNS[@]}"; do
+    name=${run%% *}
+    tail -n 60 "$OUT/$name.log" 2>/dev/null
+    s=$(sed -n "s/^status $name=\([0-9]*\) .*/\1/p" "$OUT/smoke.log")
+    STATUS+=("$name=${s:-$rc}")
+  done
+  cat "$OUT/smoke.log"  # the status lines (the first run's CPU-s include the imports all four share)
+  log "smoke: exit $rc after $((SECONDS - t0)) s"
 else
   run halo_exchange 75
   run front_door 75 --timeout-s 65

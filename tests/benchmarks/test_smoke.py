@@ -1,5 +1,7 @@
 """The benchmark scripts run end to end on the CPU (`run_all.sh OUTDIR --smoke`), so they do not rot.
 
+run_all.sh runs the four smoke runs in one Python process, each as its script's `__main__`.
+
 Each script checks its own results against an independent path (native torch
 call, a torch.distributed reference exchange, the no-bridge MD forces) and marks
 a disagreement in its table; this test fails on any failed section or mismatch.
