@@ -17,6 +17,11 @@
 
 #include <Python.h>  // first, as Python asks; only to clear an error torch's autograd engine leaves set
 
+// torch's headers then include the few op headers each one uses instead of ATen/Functions.h (all of them),
+// as in torch's own build: about 30 % less to parse, and parsing is most of the build. The machine code is
+// the same (the object files compared equal at -O2, torch 2.14).
+#define AT_PER_OPERATOR_HEADERS
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/core/ivalue.h>
