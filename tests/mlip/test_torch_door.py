@@ -1,51 +1,46 @@
 """Model level, PyTorch front door: 2 and 4 processes (gloo, one CPU device each) against one device.
 
-Each launch runs tests/mlip/torch_worker.py on every rank for several cases; each
-rank must return the single-device energy, forces (global order, gathered),
-stress and atomic energies, so the per-rank stress of the reference's preset
-cannot pass. The naive route (ShardTensor positions into an unadapted MACE)
-raises instead of returning a per-rank energy.
+tests/mlip/torch_worker.py runs on every rank for several cases, inside the front door's shared job of
+that world size (tests/torch/all_workers.py: one start of torch, JAX and gloo per rank for the whole
+suite); each rank must return the single-device energy, forces (global order, gathered), stress and
+atomic energies, so the per-rank stress of the reference's preset cannot pass. The naive route
+(ShardTensor positions into an unadapted MACE) raises instead of returning a per-rank energy.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import numpy as np
 import pytest
 
-from tests._launch import run_ranks
+from tests._launch import front_door_run, read_ranks
 from tests.mlip import cases
 from tests.mlip._reference import mace_reference, reference
+from tests.mlip.torch_worker import ALL_RUNS, MACE_PT, RUNS
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "mlip" / "torch_worker.py"
 pytestmark = pytest.mark.multiprocess
-
-ALL_RUNS = {  # both exchanges, both world sizes; MACE once, on 2 ranks (importing and running it dominates a
-    # launch, and 4 ranks share 2 cores in CI; the JAX door runs MACE on 4 and 8 devices)
-    2: ["mpnn:triclinic:per_layer", "mpnn:slab:deep_halo", "mace:slab:per_layer"],
-    4: ["mpnn:half:per_layer", "mpnn:cubic:deep_halo"],
-}
-HAVE_MACE = importlib.util.find_spec("mace") is not None
-RUNS = {w: [c for c in cs if HAVE_MACE or not c.startswith("mace:")] for w, cs in ALL_RUNS.items()}
-
-
-def _launch(world: int, tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp(f"mlip{world}")
-    env = {}
-    if any(c.startswith("mace:") for c in RUNS[world]):
-        import torch
-
-        torch.save(cases.wrapper("mace").model, out / "mace.pt")
-        env[cases.MACE_FILE] = str(out / "mace.pt")
-    return run_ranks(WORKER, world, out, [",".join(RUNS[world])], timeout_s=280, env=env)
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return {world: _launch(world, tmp_path_factory) for world in RUNS}
+def ranks(request, tmp_path_factory) -> list[dict]:
+    """The per-rank results of the shared job on `request.param` processes (started here or by another module)."""
+    world = request.param
+    out = front_door_run(world, tmp_path_factory) / "mlip"  # torch_worker.py's folder
+    if any(c.startswith("mace:") for c in RUNS[world]):
+        _check_same_mace(out / MACE_PT)
+    return read_ranks(out, world)
+
+
+def _check_same_mace(path: pathlib.Path) -> None:
+    """The ranks ran rank 0's build of the test MACE: it must be the model the reference runs (seeded)."""
+    import torch
+
+    theirs = torch.load(path, weights_only=False).state_dict()
+    ours = cases.wrapper("mace").model.state_dict()
+    assert theirs.keys() == ours.keys()
+    for k, v in ours.items():
+        assert torch.equal(theirs[k], v), f"the ranks' MACE differs from the reference's in {k}"
 
 
 def _expected(name: str, structure: str) -> dict:
@@ -56,20 +51,21 @@ def _expected(name: str, structure: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,case", [(w, c) for w, cs in ALL_RUNS.items() for c in cs])
-def test_every_rank_gets_the_one_device_result(ranks, world, case):
+@pytest.mark.parametrize("ranks,case", [(w, c) for w, cs in ALL_RUNS.items() for c in cs], indirect=["ranks"])
+def test_every_rank_gets_the_one_device_result(ranks, case):
+    world = len(ranks)
     if case not in RUNS[world]:
         pytest.skip("mace-torch is not installed (pip install 'nvalchemi_jaxbridge[mlip]')")
     name, structure, _ = case.split(":")
     want = _expected(name, structure)
-    for r, res in enumerate(ranks[world]):
+    for r, res in enumerate(ranks):
         got = res[case]
         assert abs(got["energy"] - want["energy"]) <= 1e-9 * abs(want["energy"]), f"rank {r}"
         np.testing.assert_allclose(got["forces"], want["forces"], rtol=0, atol=1e-8, err_msg=f"rank {r}")
         np.testing.assert_allclose(got["stress"], want["stress"], rtol=0, atol=1e-9, err_msg=f"rank {r}")
         np.testing.assert_allclose(got["atomic_energies"], want["atomic_energies"], rtol=0, atol=1e-9)
     if structure == "half":
-        assert min(len(res[case]["owned_ids"]) for res in ranks[world]) == 0  # a rank without atoms
+        assert min(len(res[case]["owned_ids"]) for res in ranks) == 0  # a rank without atoms
 
 
 def test_shard_tensor_positions_into_an_unadapted_mace_raise():

@@ -1,38 +1,70 @@
 """One rank of the model-level PyTorch front-door checks; run via the launcher.
 
-    python -m nvalchemi_jaxbridge.torch.launch -n 2 tests/mlip/torch_worker.py OUT_DIR CASES
+    python -m nvalchemi_jaxbridge.torch.launch -n 2 tests/mlip/torch_worker.py OUT_DIR [CASES]
 
-CASES is a comma-separated list of `model:structure:exchange` (see `CASES` below).
+CASES is a comma-separated list of `model:structure:exchange` (default: `RUNS[world size]`).
 Writes OUT_DIR/rank<k>.json with what this rank computed for each case; the
 pytest side (tests/mlip/test_torch_door.py) compares it against a single-device
-reference. Nothing here asserts results.
+reference. Nothing here asserts results. In the suite it runs inside the shared
+front-door job (tests/torch/all_workers.py), so importing this module starts nothing.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import pathlib
 import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-from nvalchemi_jaxbridge.torch import distributed  # noqa: E402
+ALL_RUNS = {  # both exchanges, both world sizes; MACE once, on 2 ranks (importing and running it dominates a
+    # launch, and 4 ranks share 2 cores in CI; the JAX door runs MACE on 4 and 8 devices)
+    2: ["mpnn:triclinic:per_layer", "mpnn:slab:deep_halo", "mace:slab:per_layer"],
+    4: ["mpnn:half:per_layer", "mpnn:cubic:deep_halo"],
+}
+HAVE_MACE = importlib.util.find_spec("mace") is not None
+RUNS = {w: [c for c in cs if HAVE_MACE or not c.startswith("mace:")] for w, cs in ALL_RUNS.items()}
+MACE_PT = "mace.pt"  # rank 0's copy of the test MACE in OUT_DIR; the pytest side checks it is the reference's
 
-info = distributed.initialize(platform="cpu", timeout_s=60)
 
-import jax  # noqa: E402
+def _share_mace(out_dir: pathlib.Path, rank: int) -> None:
+    """Rank 0 builds the test MACE and saves it; the others load that copy (building takes seconds, loading
+    a tenth). The file appears whole (a rename), so a rank never reads half of it."""
+    from tests.mlip import cases
 
-jax.config.update("jax_enable_x64", True)
+    path = out_dir / MACE_PT
+    if rank == 0:
+        import torch
 
-from nvalchemi_jaxbridge.mlip.torch_model import TorchDistributedMLIP  # noqa: E402
-from tests.mlip import cases  # noqa: E402
+        torch.save(cases.wrapper("mace").model, out_dir / f"{MACE_PT}.part")
+        (out_dir / f"{MACE_PT}.part").rename(path)
+    else:
+        while not path.exists():  # if rank 0 fails meanwhile, the launcher stops this rank
+            time.sleep(0.05)
+    os.environ[cases.MACE_FILE] = str(path)
 
 
 def main() -> None:
+    from nvalchemi_jaxbridge.torch import distributed
+
+    info = distributed.initialize(platform="cpu", timeout_s=60)  # returns the job's if already initialised
+
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+
+    from nvalchemi_jaxbridge.mlip.torch_model import TorchDistributedMLIP
+    from tests.mlip import cases
+
     out_dir = pathlib.Path(sys.argv[1])
+    names = sys.argv[2].split(",") if len(sys.argv) > 2 else RUNS[info.world_size]
+    if any(c.startswith("mace:") for c in names) and not os.environ.get(cases.MACE_FILE):
+        _share_mace(out_dir, info.rank)
     results = {}
-    for case in sys.argv[2].split(","):
+    for case in names:
         model_name, structure, exchange = case.split(":")
         wrapper = cases.wrapper(model_name)
         atoms = cases.structure(structure)

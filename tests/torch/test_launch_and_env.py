@@ -6,7 +6,6 @@ import functools
 import io
 import os
 import socket
-import sys
 import time
 
 import pytest

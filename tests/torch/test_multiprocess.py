@@ -1,26 +1,25 @@
 """The PyTorch front door in real multi-process jobs (jax.distributed, gloo, one CPU device per process).
 
-One launch per world size (tests/torch/all_workers.py) runs the front door's workers on every rank:
-tests/torch/worker.py (a model and the golden vectors), exchange_worker.py (refresh/fold) and, on 2
-ranks, meaning_worker.py (sums over atoms). Importing and starting torch, JAX and gloo cost most of a small
-launch, so the three checks share it; the sections below judge what the ranks wrote against independent
-references. The golden vectors are checked in a real 2-process run rather than one process driving two
-devices, because the front door's contract is one local block per process: that is the path users run.
+One launch per world size (tests/torch/all_workers.py; real torchrun starts the 2-process one) runs the
+front door's workers on every rank: tests/torch/worker.py (a model and the golden vectors),
+exchange_worker.py (refresh/fold), on 2 ranks meaning_worker.py (sums over atoms), and the checks that
+tests/mlip/test_torch_door.py and tests/torch/test_torchrun.py judge. Importing and starting torch, JAX and
+gloo cost most of a small launch, so the checks share it; the sections below judge what the ranks wrote
+against independent references. The golden vectors are checked in a real 2-process run rather than one
+process driving two devices, because the front door's contract is one local block per process: that is
+the path users run.
 """
 
 from __future__ import annotations
 
-import pathlib
 import sys
 
 import numpy as np
 import pytest
 
-from tests._launch import read_ranks, shared_run
+from tests._launch import front_door_run, read_ranks
 from tests.torch import model
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "torch" / "all_workers.py"
 BOX, N, SEED, FEAT = 7.0, 40, 3, 2  # exchange_worker.py's
 
 pytestmark = pytest.mark.multiprocess
@@ -28,7 +27,7 @@ pytestmark = pytest.mark.multiprocess
 
 def _run(world: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Launch the worker on `world` processes; the per-rank results (or a failure with the log)."""
-    return read_ranks(shared_run(WORKER, world, tmp_path_factory) / "worker", world)
+    return read_ranks(front_door_run(world, tmp_path_factory) / "worker", world)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +119,7 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
 def exchange_ranks(request, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     world = request.param
-    return read_ranks(shared_run(WORKER, world, tmp_path_factory) / "exchange_worker", world,
+    return read_ranks(front_door_run(world, tmp_path_factory) / "exchange_worker", world,
                       result="rank{rank}_exchange.json")
 
 
@@ -198,7 +197,7 @@ def test_graph_parallel_refresh_gathers_all_rows_and_reduce_scatters_back(exchan
 
 @pytest.fixture(scope="module")
 def meaning_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return read_ranks(shared_run(WORKER, 2, tmp_path_factory) / "meaning_worker", 2)
+    return read_ranks(front_door_run(2, tmp_path_factory) / "meaning_worker", 2)
 
 
 def _values() -> np.ndarray:

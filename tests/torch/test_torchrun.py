@@ -1,10 +1,10 @@
 """initialize() under a real `torchrun`: its store holds MASTER_PORT, JAX's coordinator must go elsewhere.
 
-Two 2-process starts of tests/torch/torchrun_worker.py, run side by side to save
-wall time: `torchrun --standalone --nproc-per-node 2` (all-gather plus
-Lennard-Jones through the JAX front door, compared with the numpy reference),
-and the project's launcher with MASTER_PORT already bound by another socket
-(the collision case without a store).
+Two 2-process starts of tests/torch/torchrun_worker.py: under `torchrun --standalone --nproc-per-node 2`
+(all-gather plus Lennard-Jones through the JAX front door, compared with the numpy reference), inside the
+front door's shared 2-process job, which real torchrun starts (tests/_launch.py: front_door_run; one start
+of torch and JAX per rank for the whole suite); and the project's launcher with MASTER_PORT already bound
+by another socket (the collision case without a store).
 """
 
 from __future__ import annotations
@@ -12,23 +12,20 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import os
 import pathlib
 import socket
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 
 from nvalchemi_jaxbridge.torch.launch import launch
+from tests._launch import front_door_run, rank_env, read_ranks
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "torch" / "torchrun_worker.py"
 TIMEOUT_S = 120
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(TIMEOUT_S + 30)]
+pytestmark = pytest.mark.multiprocess
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,42 +43,23 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    for name in ("XLA_FLAGS", "JAX_COORDINATOR_PORT", "JAX_COORDINATOR_ADDRESS"):
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    env = rank_env()
+    for name in ("JAX_COORDINATOR_PORT", "JAX_COORDINATOR_ADDRESS"):
         env.pop(name, None)
-    out_t, out_l = tmp_path_factory.mktemp("torchrun"), tmp_path_factory.mktemp("launch")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(WORKER), str(out_t), "lj"]
-    deadline = time.monotonic() + TIMEOUT_S  # both starts together, not one after the other
-    torchrun = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        log = io.StringIO()
-        with socket.socket() as taken:  # someone else (e.g. torch.distributed's own store) holds MASTER_PORT
-            taken.bind(("0.0.0.0", 0))
-            taken.listen()
-            port = taken.getsockname()[1]
-            code = launch([str(WORKER), str(out_l)], 2, timeout_s=TIMEOUT_S, env=env, out=log, master_port=port)
-        launched = Run(code, log.getvalue(), out_l, port)
-        try:
-            text, _ = torchrun.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _stop(torchrun)
-            text = torchrun.communicate()[0] + f"\n[test] torchrun did not finish in {TIMEOUT_S} s"
-        return {"torchrun": Run(torchrun.returncode, text, out_t), "launch": launched}
-    finally:
-        _stop(torchrun)
+    out, log = tmp_path_factory.mktemp("launch"), io.StringIO()
+    with socket.socket() as taken:  # someone else (e.g. torch.distributed's own store) holds MASTER_PORT
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = launch([str(WORKER), str(out)], 2, timeout_s=TIMEOUT_S, env=env, out=log, master_port=port)
+    return Run(code, log.getvalue(), out, port)
 
 
-def _stop(p: subprocess.Popen) -> None:
-    """Stop torchrun if still running: SIGTERM first, so its agent stops its workers (own sessions), then kill."""
-    if p.poll() is None:
-        p.terminate()
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+@pytest.fixture(scope="module")
+def torchrun_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """What torchrun_worker.py wrote on both ranks of the front door's shared job (real torchrun starts it)."""
+    return read_ranks(front_door_run(2, tmp_path_factory) / "torchrun", 2)
 
 
 def _check_gather(ranks: list[dict]) -> None:
@@ -93,14 +71,15 @@ def _check_gather(ranks: list[dict]) -> None:
     assert ranks[0]["coordinator"] == ranks[1]["coordinator"]
 
 
-def test_torchrun_two_ranks_match_single_process_reference(runs):
+def test_torchrun_two_ranks_match_single_process_reference(torchrun_ranks):
     from nvalchemi_jaxbridge.demo import argon_fcc
     from nvalchemi_jaxbridge.demo.params import LJParams
     from nvalchemi_jaxbridge.demo.reference import lj_reference
 
-    ranks = runs["torchrun"].ranks()
+    ranks = torchrun_ranks
     _check_gather(ranks)
     assert [r["source"] for r in ranks] == ["torchrun", "torchrun"] and [r["local_rank"] for r in ranks] == [0, 1]
+    assert all(r["torchelastic"] for r in ranks), "the shared 2-process job must be started by real torchrun"
     atoms, p = argon_fcc(2), LJParams()
     for r in ranks:
         pos = np.array(r["lj"]["positions"])
@@ -111,7 +90,8 @@ def test_torchrun_two_ranks_match_single_process_reference(runs):
     assert ranks[0]["lj"] == ranks[1]["lj"]
 
 
-def test_start_with_master_port_already_bound(runs):
-    ranks = runs["launch"].ranks()
+def test_start_with_master_port_already_bound(launched):
+    ranks = launched.ranks()
     _check_gather(ranks)
-    assert {r["master_port"] for r in ranks} == {str(runs["launch"].master_port)}
+    assert {r["master_port"] for r in ranks} == {str(launched.master_port)}
+    assert not any(r["torchelastic"] for r in ranks)

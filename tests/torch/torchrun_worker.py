@@ -1,5 +1,7 @@
-"""One rank of tests/torch/test_torchrun.py, started by torchrun (or the project's launcher).
+"""One rank of tests/torch/test_torchrun.py: started by the project's launcher, or by real torchrun (in the
+suite, inside the front door's shared 2-process job: tests/torch/all_workers.py).
 
+    python -m nvalchemi_jaxbridge.torch.launch -n 2 tests/torch/torchrun_worker.py OUT_DIR [lj]
     torchrun --standalone --nproc-per-node 2 tests/torch/torchrun_worker.py OUT_DIR [lj]
 
 `initialize()` reads the launcher's variables; the rank all-gathers per-rank data
@@ -26,19 +28,15 @@ else:  # the launcher's start needs no torch: load the module alone (the package
     distributed = sys.modules["jb_distributed"] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(distributed)
 
-info = distributed.initialize(timeout_s=60)
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
-
-jax.config.update("jax_enable_x64", True)
-
 CELLS, CUTOFF = 2, 5.0  # 32 atoms, box 10.52 Å > 2 * cutoff
 
 
 def lj_front_door() -> dict:
     """Energy and forces of argon through compile(...).call on a mesh of both processes' devices."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
     from nvalchemi_jaxbridge import DistributionSpec, HaloPlan, HaloStoragePolicy, OpAdapter
     from nvalchemi_jaxbridge.demo import argon_fcc, jax_potentials
     from nvalchemi_jaxbridge.demo.params import LJParams
@@ -63,17 +61,31 @@ def lj_front_door() -> dict:
             "forces": forces.tolist(), "n_devices": mesh.size}
 
 
-mine = np.arange(3.0) + 10.0 * info.rank  # per-rank data
-result = {
-    "rank": info.rank, "world": info.world_size, "local_rank": info.local_rank, "source": info.source,
-    "coordinator": info.coordinator_address, "master_port": os.environ.get("MASTER_PORT"),
-    "process_count": jax.process_count(), "devices": jax.device_count(),
-    "gathered": np.asarray(multihost_utils.process_allgather(mine)).tolist(),
-}
-if "lj" in sys.argv[2:]:
-    result["lj"] = lj_front_door()
-out = pathlib.Path(sys.argv[1]) / f"rank{info.rank}.json"
-out.write_text(json.dumps(result))
-distributed.shutdown()
-sys.stdout.flush()
-os._exit(0)  # skip the interpreter's teardown of torch and jax (seconds on a busy machine); all is written
+def main() -> None:
+    info = distributed.initialize(timeout_s=60)  # in the shared job: the job's, already initialised
+
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    jax.config.update("jax_enable_x64", True)
+
+    mine = np.arange(3.0) + 10.0 * info.rank  # per-rank data
+    result = {
+        "rank": info.rank, "world": info.world_size, "local_rank": info.local_rank, "source": info.source,
+        "coordinator": info.coordinator_address, "master_port": os.environ.get("MASTER_PORT"),
+        "torchelastic": "TORCHELASTIC_RUN_ID" in os.environ,  # started by real torchrun
+        "process_count": jax.process_count(), "devices": jax.device_count(),
+        "gathered": np.asarray(multihost_utils.process_allgather(mine)).tolist(),
+    }
+    if "lj" in sys.argv[2:]:
+        result["lj"] = lj_front_door()
+    out = pathlib.Path(sys.argv[1]) / f"rank{info.rank}.json"
+    out.write_text(json.dumps(result))
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)  # skip the interpreter's teardown of torch and jax (seconds on a busy machine); all is written

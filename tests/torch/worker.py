@@ -10,7 +10,6 @@ it against independent references. Nothing here asserts results.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import sys
 import time
