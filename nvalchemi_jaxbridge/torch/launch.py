@@ -33,6 +33,7 @@ from .distributed import free_port
 from .faults import ENV_FAULT_DIR, FaultRecord, read_fault_files
 
 TIMEOUT_EXIT = 124
+OWN_EXIT_S = 5.0  # how long a rank that recorded its own fault may take to exit before it is stopped
 TAIL_LINES = 20
 
 
@@ -215,13 +216,17 @@ def _run(argv: Sequence[str], nprocs: int, timeout_s: float, base: Mapping[str, 
 def _report(failed, done, pumps, tails, procs, fault_dir: str, out: TextIO, lock: threading.Lock) -> int:
     """Name the rank at fault and repeat its last lines; the exit code to return (the culprit's if it exited)."""
     pumps[failed[0][0]].join(timeout=2.0)  # the first to exit: its record is written, its last lines read
-    rank, message = first_fault(done, read_fault_files(fault_dir))
+    records = read_fault_files(fault_dir)
+    rank, message = first_fault(done, records)
     codes = dict(failed)
-    if rank in codes:
-        pumps[rank].join(timeout=2.0)
-    elif procs[rank].poll() is None:  # stalled and still running: stop it so its last lines are complete
-        _kill([procs[rank]])
-        pumps[rank].join(timeout=2.0)
+    if rank not in codes and any(r.rank == rank for r in records):
+        try:  # it recorded its own fault and is on its way out (a peer noticed first): its code is the job's
+            codes[rank] = procs[rank].wait(timeout=OWN_EXIT_S)
+        except subprocess.TimeoutExpired:
+            pass
+    if rank not in codes and procs[rank].poll() is None:  # stalled and still running: stop it, so its
+        _kill([procs[rank]])  # last lines are complete
+    pumps[rank].join(timeout=2.0)
     code = _exit_code(codes.get(rank, failed[0][1]))
     if message is None:
         head = f"[launch] rank {rank} {_describe(codes.get(rank, failed[0][1]))} first; stopping the others\n"

@@ -200,6 +200,21 @@ def test_launcher_kills_all_on_first_failure(tmp_path):
     assert "rank 1 exited with 3 first; stopping the others" in out.getvalue()
 
 
+def test_the_job_exits_with_the_culprits_code_when_a_peer_exits_before_it(tmp_path):
+    """Rank 1 records its own fault, then takes a moment to exit; rank 0 sees the record and leaves at once
+    with the peer code: the job still exits with rank 1's code, not the bystander's."""
+    s = _script(tmp_path, "import json, pathlib\nrec = pathlib.Path(os.environ['NVALCHEMI_JAXBRIDGE_FAULT_DIR'])"
+                          " / 'rank1.json'\n"
+                          "if rank == 1:\n"
+                          "    rec.with_suffix('.tmp').write_text(json.dumps({'rank': 1, 'blame': 1, 'time': time.time(),"
+                          " 'kind': 'raised', 'message': 'rank 1 raised ValueError: bad block'}))\n"
+                          "    rec.with_suffix('.tmp').replace(rec)\n    time.sleep(1.5)\n    sys.exit(7)\n"
+                          "while not rec.exists():\n    time.sleep(0.01)\nsys.exit(75)\n")
+    out = io.StringIO()
+    assert launch([s], 2, timeout_s=60, out=out) == 7, out.getvalue()
+    assert "[launch] rank 1 failed first: rank 1 raised ValueError: bad block; stopping the others" in out.getvalue()
+
+
 def test_launcher_names_the_rank_that_failed_first_in_time(tmp_path):
     """Rank 1 raises at once; rank 0 fails later (lower number, later in time): rank 1 is named, with its log."""
     s = _script(tmp_path, "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
