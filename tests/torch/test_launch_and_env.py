@@ -12,6 +12,7 @@ import pytest
 
 from nvalchemi_jaxbridge.torch import distributed
 from nvalchemi_jaxbridge.torch.distributed import coordinator_key, first_host, resolve
+from nvalchemi_jaxbridge.torch.faults import ENV_FAULT_DIR, FaultRecord, write_fault_file
 from nvalchemi_jaxbridge.torch.launch import launch, main
 
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
@@ -201,17 +202,16 @@ def test_launcher_kills_all_on_first_failure(tmp_path):
 
 
 def test_the_job_exits_with_the_culprits_code_when_a_peer_exits_before_it(tmp_path):
-    """Rank 1 records its own fault, then takes a moment to exit; rank 0 sees the record and leaves at once
-    with the peer code: the job still exits with rank 1's code, not the bystander's."""
-    s = _script(tmp_path, "import json, pathlib\nrec = pathlib.Path(os.environ['NVALCHEMI_JAXBRIDGE_FAULT_DIR'])"
-                          " / 'rank1.json'\n"
-                          "if rank == 1:\n"
-                          "    rec.with_suffix('.tmp').write_text(json.dumps({'rank': 1, 'blame': 1, 'time': time.time(),"
-                          " 'kind': 'raised', 'message': 'rank 1 raised ValueError: bad block'}))\n"
-                          "    rec.with_suffix('.tmp').replace(rec)\n    time.sleep(1.5)\n    sys.exit(7)\n"
-                          "while not rec.exists():\n    time.sleep(0.01)\nsys.exit(75)\n")
+    """Rank 1 has recorded its own fault but takes a moment to exit; rank 0 leaves at once with the peer
+    code: the job still exits with rank 1's code, not the bystander's."""
+    faults_dir = tmp_path / "faults"
+    faults_dir.mkdir()
+    env = {**os.environ, ENV_FAULT_DIR: str(faults_dir)}
+    write_fault_file(FaultRecord(rank=1, blame=1, time=time.time(), kind="raised",
+                                 message="rank 1 raised ValueError: bad block"), env)
+    s = _script(tmp_path, "if rank == 1:\n    time.sleep(1.5)\n    sys.exit(7)\nsys.exit(75)\n")
     out = io.StringIO()
-    assert launch([s], 2, timeout_s=60, out=out) == 7, out.getvalue()
+    assert launch([s], 2, timeout_s=60, env=env, out=out) == 7, out.getvalue()
     assert "[launch] rank 1 failed first: rank 1 raised ValueError: bad block; stopping the others" in out.getvalue()
 
 
