@@ -253,9 +253,11 @@ class DistributedMLIP:
         Returns:
             `(energy, node_energies)`: a scalar and `(D * owned_capacity,)` owned storage.
         """
-        cs, st, w = state.cs, self.stages, self.wrapper
+        cs, w = state.cs, self.wrapper
         axis, policy, deep = cs.axis, self.settings.policy, self.exchange == "deep_halo"
         far = 3.0 * (w.cutoff + self.skin) + 1.0
+        # Per layer, only the owned rows receive edges (EdgePlan receivers="owned").
+        st = self.stages.for_receivers(None if deep else cs.tables.owned_capacity)
 
         def body(t, edges, spare, attrs, pos, eps):
             pos_h = C.halo_forward(pos, t, axis, positions=True)

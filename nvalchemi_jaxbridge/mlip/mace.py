@@ -6,7 +6,8 @@ harmonics and radial embedding) from the block's edge vectors, the interaction
 block, the product basis and the readout; then the E0 terms and the scale/shift.
 Inside an interaction the only neighbour access is `node_feats[sender]` and a
 scatter onto receivers, so refreshing `node_feats` before layers 1.. is all the
-exchange MACE needs.
+exchange MACE needs; the product basis and the readout run on the receiver rows
+only (`BlockGraph.receiver_slice`).
 """
 
 from __future__ import annotations
@@ -100,10 +101,12 @@ class MACEWrapper(MessagePassingWrapper):
         h, sc = m.interactions[i](
             node_attrs=g.node_attrs, node_feats=h, edge_attrs=edge_attrs, edge_feats=edge_feats,
             edge_index=g.edge_index, cutoff=cutoff, first_layer=(i == 0), lammps_class=None, lammps_natoms=(0, 0))
-        h = m.products[i](node_feats=h, sc=sc, node_attrs=g.node_attrs)
-        heads = torch.zeros(g.n_rows, dtype=torch.int64, device=h.device)
-        rows = torch.arange(g.n_rows, device=h.device)
-        return h, m.readouts[i](h, heads)[rows, heads]
+        # The product basis and the readout are node-wise: the receiver rows are all they need.
+        cut = g.receiver_slice
+        h = m.products[i](node_feats=cut(h), sc=None if sc is None else cut(sc), node_attrs=cut(g.node_attrs))
+        heads = torch.zeros(h.shape[0], dtype=torch.int64, device=h.device)
+        rows = torch.arange(h.shape[0], device=h.device)
+        return g.to_rows(h), g.to_rows(m.readouts[i](h, heads)[rows, heads])
 
     def node_energies(self, g: BlockGraph, layer_energy: torch.Tensor) -> torch.Tensor:
         m = self.model

@@ -10,6 +10,9 @@ then the stage's own node tensors:
 | `interaction[i]` | `h` | the new `h`, then the layer's `(rows,)` energy term |
 | `readout` | the summed energy terms `(rows,)` | `(rows,)` node energies |
 | `whole` (deep halo) | - | `(rows,)` node energies: every stage in one op, no exchange |
+
+The graph's receiver count (`BlockGraph.n_receivers`) is fixed per op set, as a
+shape is: `Stages.for_receivers` defines one set per count.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, node_energies
 
 
 def block_graph(positions: torch.Tensor, node_attrs: torch.Tensor, edges: torch.Tensor,
-                shifts: torch.Tensor) -> BlockGraph:
+                shifts: torch.Tensor, n_receivers: int | None = None) -> BlockGraph:
     """The `BlockGraph` of a stage's four graph arrays (edges `(E, 2)` -> `(2, E)` int64)."""
-    return BlockGraph(positions, node_attrs, edges.to(torch.int64).t(), shifts)
+    return BlockGraph(positions, node_attrs, edges.to(torch.int64).t(), shifts, n_receivers)
 
 
 def _n_features(wrapper: MessagePassingWrapper, device: torch.device) -> int:
@@ -43,46 +46,75 @@ def _n_features(wrapper: MessagePassingWrapper, device: torch.device) -> int:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Stages:
-    """The stage ops of one wrapper (JAX callables on local arrays)."""
+class StageOps:
+    """The stage ops of one wrapper for blocks of one receiver count (JAX callables on local arrays)."""
 
     embed: Any
     interactions: tuple[Any, ...]
     readout: Any
     whole: Any
+
+    def named(self) -> list[tuple[str, Any]]:
+        """`(name, op)` of the staged ops in program order (`whole` left out)."""
+        return [("embed", self.embed), *((f"interaction_{i}", k) for i, k in enumerate(self.interactions)),
+                ("readout", self.readout)]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Stages:
+    """The stage ops of one wrapper, one set per receiver count (`BlockGraph.n_receivers`).
+
+    The count is static: it is the owned capacity of a per-layer block (every row with
+    the deep halo), so a program asks `for_receivers(t.owned_capacity)` while tracing
+    and a layout with the same capacities reuses the same ops.
+    """
+
+    wrapper: MessagePassingWrapper
+    call_path: str
     n_features: int
+    _sets: dict[int | None, StageOps] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, wrapper: MessagePassingWrapper, *, call_path: str = "auto", device: str = "cpu") -> Stages:
-        """Define the stage ops of `wrapper` (once per wrapper; they close over its weights).
+        """The stage ops of `wrapper` (they close over its weights).
 
         `device`: where the model's weights live ("cpu" or "cuda"), for the shape probes.
         """
-        n = _n_features(wrapper, torch.device(device))
+        return cls(wrapper, call_path, _n_features(wrapper, torch.device(device)))
+
+    def for_receivers(self, n_receivers: int | None) -> StageOps:
+        """The ops whose blocks have `n_receivers` receiver rows (None: every row), made once."""
+        if n_receivers not in self._sets:
+            self._sets[n_receivers] = self._define(n_receivers)
+        return self._sets[n_receivers]
+
+    def _define(self, n_receivers: int | None) -> StageOps:
+        wrapper, n, call_path = self.wrapper, self.n_features, self.call_path
         name = wrapper.name
 
-        def embed(pos, attrs, edges, shifts):
-            return as_tuple(wrapper.embed(block_graph(pos, attrs, edges, shifts)))
+        def graph(pos, attrs, edges, shifts) -> BlockGraph:
+            return block_graph(pos, attrs, edges, shifts, n_receivers)
+
+        def embed(*g):
+            return as_tuple(wrapper.embed(graph(*g)))
 
         def interaction(i: int):
             def fn(pos, attrs, edges, shifts, *h):
-                g = block_graph(pos, attrs, edges, shifts)
-                h_new, e = wrapper.interaction(i, g, h if n > 1 else h[0])
+                h_new, e = wrapper.interaction(i, graph(pos, attrs, edges, shifts), h if n > 1 else h[0])
                 return (*as_tuple(h_new), e)
             return fn
 
         def readout(pos, attrs, edges, shifts, e_sum):
-            return wrapper.node_energies(block_graph(pos, attrs, edges, shifts), e_sum)
+            return wrapper.node_energies(graph(pos, attrs, edges, shifts), e_sum)
 
-        def whole(pos, attrs, edges, shifts):
-            return node_energies_of(wrapper, block_graph(pos, attrs, edges, shifts))
+        def whole(*g):
+            return node_energies_of(wrapper, graph(*g))
 
-        return cls(
+        return StageOps(
             embed=torch_function(embed, 4, n, label=f"{name}_embed", call_path=call_path),
             interactions=tuple(
                 torch_function(interaction(i), 4 + n, n + 1, label=f"{name}_interaction_{i}", call_path=call_path)
                 for i in range(wrapper.n_layers)),
             readout=torch_function(readout, 5, 1, label=f"{name}_readout", call_path=call_path),
             whole=torch_function(whole, 4, 1, label=f"{name}_whole", call_path=call_path),
-            n_features=n,
         )

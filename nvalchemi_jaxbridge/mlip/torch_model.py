@@ -169,7 +169,8 @@ class TorchDistributedMLIP:
         block = block + block @ ((strain + strain.T) / 2)
         attrs = self.wrapper.node_attrs(state.numbers)[plan.halo_global[rank, :n_pad]]
         attrs = torch.tensor(np.concatenate([attrs, np.zeros((1, attrs.shape[1]), attrs.dtype)]), dtype=dtype)
-        graph = self._graph(block, attrs, state.edges.edges[rank, : state.edges.n_edges[rank]])
+        graph = self._graph(block, attrs, state.edges.edges[rank, : state.edges.n_edges[rank]],
+                            n_receivers=n_own if self.exchange == "per_layer" else None)
         registry = AdapterRegistry()
         installed = self.distribution_spec().distribution
         registry.install((*installed.custom_ops, *installed.third_party_helpers))
@@ -192,14 +193,18 @@ class TorchDistributedMLIP:
             out["virial"], out["stress"] = virial, -virial / volume
         return out
 
-    def _graph(self, block: torch.Tensor, attrs: torch.Tensor, edges: np.ndarray) -> BlockGraph:
-        """The block graph with the edges longer than the cutoff (at these positions) left out."""
+    def _graph(self, block: torch.Tensor, attrs: torch.Tensor, edges: np.ndarray, *,
+               n_receivers: int | None) -> BlockGraph:
+        """The block graph with the edges longer than the cutoff (at these positions) left out.
+
+        `n_receivers`: the owned rows, the only receivers with per-layer exchange (None: every row).
+        """
         ei = torch.as_tensor(edges, dtype=torch.int64).T
         with torch.no_grad():
             d = block[ei[1]] - block[ei[0]]
             keep = (d * d).sum(1) < self.wrapper.cutoff**2
         ei = ei[:, keep].contiguous()
-        return BlockGraph(block, attrs, ei, torch.zeros((ei.shape[1], 3), dtype=block.dtype))
+        return BlockGraph(block, attrs, ei, torch.zeros((ei.shape[1], 3), dtype=block.dtype), n_receivers)
 
     @staticmethod
     def _sum(ctx: Any, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,73 @@
+"""The block-graph protocol: receiver rows, and wrappers that compute node-wise work on them alone."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import hypothesis
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+
+from nvalchemi_jaxbridge.mlip import BlockGraph
+from tests.mlip._reference import alloy, graph
+
+
+def _graph(n_rows: int, n_receivers: int | None) -> BlockGraph:
+    f = torch.float64
+    return BlockGraph(torch.zeros((n_rows, 3), dtype=f), torch.zeros((n_rows, 2), dtype=f),
+                      torch.zeros((2, 0), dtype=torch.int64), torch.zeros((0, 3), dtype=f), n_receivers)
+
+
+@hypothesis.settings(max_examples=40, deadline=None, derandomize=True)
+@hypothesis.given(n_rows=st.integers(0, 30), frac=st.floats(0, 1), trailing=st.sampled_from([(), (1,), (3, 2)]),
+                  seed=st.integers(0, 99))
+def test_to_rows_of_the_receiver_slice_keeps_the_receivers_and_zeroes_the_rest(n_rows, frac, trailing, seed):
+    r = int(round(frac * n_rows))
+    g = _graph(n_rows, r)
+    x = torch.from_numpy(np.random.default_rng(seed).normal(size=(n_rows, *trailing)))
+    y = g.to_rows(g.receiver_slice(x))
+    assert g.receiver_rows == r and y.shape == x.shape
+    assert torch.equal(y[:r], x[:r]) and not y[r:].any()
+
+
+def test_every_row_receives_without_a_count():
+    g = _graph(7, None)
+    x = torch.arange(7.0)
+    assert g.receiver_rows == 7
+    assert torch.equal(g.to_rows(g.receiver_slice(x)), x)
+
+
+@pytest.mark.parametrize("bad", [-1, 8])
+def test_a_receiver_count_outside_the_block_is_refused(bad):
+    with pytest.raises(ValueError, match=r"n_receivers=-?\d+ must lie in \[0, 7\]"):
+        _graph(7, bad)
+
+
+def test_to_rows_refuses_more_rows_than_the_block():
+    with pytest.raises(ValueError, match="more than the block's 3"):
+        _graph(3, 2).to_rows(torch.zeros(4))
+
+
+def test_mace_layers_on_the_receiver_rows_alone_agree_with_every_row():
+    """MACE's product basis and readout run on the receivers only: same rows as on the whole block."""
+    from nvalchemi_jaxbridge.mlip.mace import MACEWrapper, random_mace
+
+    w = MACEWrapper(random_mace([29, 79], hidden_irreps="4x0e + 4x1o", max_ell=2, correlation=3))
+    atoms = alloy(reps=(2, 2, 2), seed=3)
+    ei, unit = graph(atoms, w.cutoff)
+    r = len(atoms) // 2
+    keep = ei[1] < r  # as in a per-layer block: only the first r rows receive
+    cell = atoms.cell.array
+    full = BlockGraph(torch.tensor(atoms.positions), torch.tensor(w.node_attrs(atoms.numbers)),
+                      torch.tensor(ei[:, keep]), torch.tensor(unit[keep] @ cell))
+    part = dataclasses.replace(full, n_receivers=r)
+    h_full = h_part = w.embed(full)
+    for i in range(w.n_layers):
+        (h_full, e_full), (h_part, e_part) = w.interaction(i, full, h_full), w.interaction(i, part, h_full)
+        assert h_part.shape == h_full.shape and e_part.shape == e_full.shape
+        torch.testing.assert_close(h_part[:r], h_full[:r], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(e_part[:r], e_full[:r], rtol=1e-12, atol=1e-12)
+        assert not h_part[r:].any() and not e_part[r:].any()
+        assert e_full[:r].abs().sum() > 0
