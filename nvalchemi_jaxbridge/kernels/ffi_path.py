@@ -129,6 +129,7 @@ class GradCalls:
     forward: Callable[..., Any]  # (*arrays) -> (*results, token)
     backward: Callable[..., Any]  # (*saved arrays, token, *cotangents) -> gradients of the inexact arrays
     kept: Callable[[], int]
+    token_reads: Callable[[], int]
 
 
 def grad_calls(
@@ -137,8 +138,9 @@ def grad_calls(
     """The FFI forward-keeping-its-graph and backward of a call whose forward takes the FFI path, and "ffi".
 
     The forward runs the op under autograd and keeps its graph in its plan's
-    table in C++ (at most `GRAPH_CAP`); the backward takes it by token, or re-runs
-    the op where it is gone. The differentiated inputs are the inexact arrays,
+    table in C++ (at most `GRAPH_CAP`); the backward takes it by where its token
+    was written (same run and device, same buffer) or by the token's value, or
+    re-runs the op where it is gone. The differentiated inputs are the inexact arrays,
     the cotangents those of the inexact selected results (what `vjp.custom_vjp`
     passes). (None, "ffi") when no gradient flows (no call at all); (None,
     "callback (<why>)") where a plan is refused under call_path="auto".
@@ -167,7 +169,8 @@ def grad_calls(
     token = jax.ShapeDtypeStruct(TOKEN_SHAPE, TOKEN_DTYPE)
     grads = tuple(jax.ShapeDtypeStruct(tuple(arrays[k].shape), arrays[k].dtype) for k in diff)
     return GradCalls(
-        ext.call(keep, (*call.result_specs, token), aliases), ext.call(back, grads, {}), lambda: ext.kept_graphs(keep)
+        ext.call(keep, (*call.result_specs, token), aliases), ext.call(back, grads, {}),
+        lambda: ext.kept_graphs(keep), lambda: ext.token_reads(keep),
     ), "ffi"
 
 

@@ -21,9 +21,13 @@ whose gradient is unused would then pay for a backward it does not need, and
 the effect would add ordering tokens to every differentiated program; the cap
 bounds what a dropped backward leaves behind instead.
 
-On a GPU the token is written with two fills on XLA's stream; the backward
-reads it back to the host, which waits for the stream to reach it (one
-synchronisation per backward, where the forward it replaces cost a whole run).
+On a GPU the token is written with two fills on XLA's stream. On the callback
+path the backward reads it back to the host, which waits for the stream to reach
+it (one synchronisation per backward, where the forward it replaces cost a whole
+run). The FFI path's backward finds the graph by where its token was written
+instead (the program run, the device, the buffer's address) and checks the token
+on the stream; it reads the token back only where that finds nothing (a pullback
+run by another program than its forward, for example).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class GraphTable:
         self._serials = itertools.count(1)
         self._entries: collections.OrderedDict[int, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self.token_reads = 0  # backwards that named their graph by the token's value
 
     def keep(self, graph: Any) -> tuple[int, int]:
         """Store `graph`; returns its token. Evicts the oldest entries beyond the cap."""
@@ -70,10 +75,9 @@ class GraphTable:
     def take(self, token: tuple[int, int]) -> Any | None:
         """The entry of `token`, removed from the table, or None when it is not (or no longer) here."""
         salt, serial = token
-        if salt != self.salt:
-            return None
         with self._lock:
-            return self._entries.pop(serial, None)
+            self.token_reads += 1
+            return self._entries.pop(serial, None) if salt == self.salt else None
 
     def __len__(self) -> int:
         with self._lock:

@@ -134,6 +134,7 @@ class _Call:
     path: str = "callback"  # the forward's path: "ffi" or "callback (<why>)"
     bwd_path: str = "callback"  # the backward's path, likewise
     kept: Callable[[], int] = lambda: 0  # torch graphs held for backwards to come (vjp.custom_vjp)
+    token_reads: Callable[[], int] = lambda: 0  # backwards that read their graph's token from the device
 
 
 # ----------------------------------------------------------------------------- the binding

@@ -180,6 +180,14 @@ class TorchOpKernel:
             calls = list(self._cache.values())
         return sum(c.kept() for c in calls)
 
+    def token_reads(self) -> int:
+        """How many backwards so far read their torch graph's token back from the device (a stream
+        synchronisation each on a GPU): every backward on the callback path; on the FFI path only
+        those that did not find the graph by where its token was written (see `graph_table`)."""
+        with self._lock:
+            calls = list(self._cache.values())
+        return sum(c.token_reads() for c in calls)
+
     def paths_taken(self) -> tuple[str, ...]:
         """The distinct forward paths of the calls prepared so far, e.g. `("ffi",)` (for run reports)."""
         with self._lock:
@@ -221,5 +229,5 @@ class TorchOpKernel:
         if path == "ffi":
             grad, bwd_path = ffi_path.grad_calls(binding, self.call_path, call, arrays)
         avals = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in arrays]
-        fn, kept = vjp.custom_vjp(binding, call, fwd, avals, grad, check_grad=self.check_grad)
-        return dataclasses.replace(call, fn=fn, bwd_path=bwd_path, kept=kept)
+        fn, kept, token_reads = vjp.custom_vjp(binding, call, fwd, avals, grad, check_grad=self.check_grad)
+        return dataclasses.replace(call, fn=fn, bwd_path=bwd_path, kept=kept, token_reads=token_reads)

@@ -3,7 +3,9 @@
 One forward per differentiated call, as in torch: when JAX traces the forward
 for a VJP, the op runs once under torch autograd and its graph stays in a table
 of the call (`graph_table`), named by a token (an int32 pair) that joins the
-saved input arrays among the residuals. The backward takes that graph and calls
+saved input arrays among the residuals (on the FFI path the backward finds the
+graph by where that token was written, without reading it back from the device;
+see `graph_table`). The backward takes that graph and calls
 `torch.autograd.grad` with the cotangents; where the graph is gone (a pullback
 called twice, an entry evicted past the table's cap) it re-runs the op under
 autograd on the saved inputs instead. Both run on the forward's path: the FFI
@@ -107,8 +109,8 @@ def custom_vjp(
     grad_ffi: Any = None,
     *,
     check_grad: bool,
-) -> tuple[Callable[..., Any], Callable[[], int]]:
-    """The call's `jax.custom_vjp` function of its arrays (returning the selected results), and its kept-graph count.
+) -> tuple[Callable[..., Any], Callable[[], int], Callable[[], int]]:
+    """The call's `jax.custom_vjp` function of its arrays (returning the selected results), and two counts.
 
     Args:
         binding: the op's binding.
@@ -120,7 +122,8 @@ def custom_vjp(
         check_grad: run `check_differentiable` when the forward is traced for a VJP.
 
     Returns:
-        `(fn, kept)`: `kept()` is how many torch graphs the call holds for backwards to come.
+        `(fn, kept, token_reads)`: `kept()` is how many torch graphs the call holds for backwards
+        to come, `token_reads()` how many backwards read their graph's token back from the device.
     """
     selected = call.selected
     sel_inexact = tuple(j for j, s in enumerate(selected) if _is_inexact(call.result_specs[s].dtype))
@@ -130,14 +133,16 @@ def custom_vjp(
     if not graphs:
         fwd_keep = bwd = None
         kept: Callable[[], int] = lambda: 0
+        token_reads: Callable[[], int] = lambda: 0
     elif grad_ffi is not None:
-        fwd_keep, bwd, kept = grad_ffi.forward, grad_ffi.backward, grad_ffi.kept
+        fwd_keep, bwd, kept, token_reads = grad_ffi.forward, grad_ffi.backward, grad_ffi.kept, grad_ffi.token_reads
     else:
         table = GraphTable()
         fwd_keep = callback_path.forward_keeping(binding, call, dtypes, sel_inexact, table)
         shapes = tuple(jax.ShapeDtypeStruct(tuple(avals[k].shape), avals[k].dtype) for k in diff)
         bwd = buffer_callback(callback_path.backward_body(binding, call, dtypes, sel_inexact, table), shapes)
         kept = table.__len__
+        token_reads = lambda: table.token_reads  # noqa: E731
 
     def run_forward(*arrays: jax.Array) -> tuple[jax.Array, ...]:
         axes = frozenset().union(*(_vma(a) for a in arrays)) if arrays else frozenset()
@@ -169,4 +174,4 @@ def custom_vjp(
         return tuple(out)
 
     fn.defvjp(fn_fwd, fn_bwd)
-    return fn, kept
+    return fn, kept, token_reads

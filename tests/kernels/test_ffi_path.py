@@ -680,4 +680,5 @@ def test_gpu_ffi_path_orders_with_xla_work_and_matches_torch():
         e, f = op(t, torch.tensor(mask, device="cuda"), cutoff=6.0)
         (w,) = torch.autograd.grad(1.5 * e + (f * torch.tensor(v, device="cuda")).sum(), t)
         np.testing.assert_allclose(np.asarray(g), w.cpu().numpy(), rtol=1e-4, atol=1e-4 * float(w.abs().max()))
+        assert k.token_reads() == 0  # the backward found its graph by the token's site: no stream sync
         assert streams() == prev

@@ -143,6 +143,48 @@ def test_one_forward_per_device_inside_shard_map(path):
     want = np.concatenate([_torch_pair_sq_grad(x[b : b + 4], 0.5, 2.0, w[b : b + 4]) for b in range(0, len(x), 4)])
     np.testing.assert_allclose(np.asarray(g), want, rtol=1e-13)
     assert k.kept_graphs() == 0
+    assert k.token_reads() == (0 if path == "ffi" else 3 * n_dev)  # 3 runs; the FFI: each device found its graph
+
+
+# ------------------------------------------------------------------ where the backward finds its graph
+
+
+def test_ffi_backwards_in_the_forwards_program_find_their_graph_without_reading_the_token():
+    """By where the token was written (run, device, buffer): no read back, in one program, in an MD-like
+    loop of steps and on 8 devices; a pullback run as a program of its own reads the token."""
+    k = TorchOpKernel(PAIR_SQ, call_path="ffi")
+    x = _x(6, seed=11)
+    energy = lambda x: k(x, 1.5)[0]  # noqa: E731
+    for _ in range(3):
+        e, g = jax.jit(jax.value_and_grad(energy))(x)
+        np.testing.assert_allclose(np.asarray(g), 3.0 * x, rtol=1e-13)
+
+    def step(_, carry):
+        y, acc = carry
+        e, g = jax.value_and_grad(energy)(y)
+        return y - 0.01 * g, acc + e
+
+    y, acc = jax.jit(lambda x: jax.lax.fori_loop(0, 5, step, (x, 0.0)))(x)
+    ref, ref_acc = x.copy(), 0.0
+    for _ in range(5):
+        ref_acc += 1.5 * np.sum(ref * ref)
+        ref = ref - 0.01 * 3.0 * ref
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-13)
+    np.testing.assert_allclose(float(acc), ref_acc, rtol=1e-13)
+    assert k.token_reads() == 0 and k.kept_graphs() == 0
+
+    _, pullback = jax.vjp(energy, x)  # two programs: the backward's run is not the forward's
+    (g,) = pullback(jnp.asarray(1.0))
+    np.testing.assert_allclose(np.asarray(g), 3.0 * x, rtol=1e-13)
+    assert k.token_reads() == 1 and k.kept_graphs() == 0
+
+
+def test_callback_backwards_read_their_token():
+    k = TorchOpKernel(PAIR_SQ, call_path="callback")
+    x = _x(6, seed=12)
+    for _ in range(2):
+        jax.block_until_ready(jax.jit(jax.grad(lambda x: k(x, 1.5)[0]))(x))
+    assert k.token_reads() == 2
 
 
 # ------------------------------------------------------------------ gradients against torch

@@ -46,6 +46,10 @@ class Extension:
         """How many torch graphs the differentiated-forward plan `plan` keeps for backwards to come."""
         return int(self.lib.jb_kept_graphs(plan))
 
+    def token_reads(self, plan: int) -> int:
+        """How many backwards of `plan`'s graphs read the token back from the device (see graphs.cc)."""
+        return int(self.lib.jb_token_reads(plan))
+
     def call(self, plan: int, result_specs, aliases: dict[int, int]):
         """`f(*arrays)`: the FFI call of `plan` producing `result_specs`, mutated arguments aliased."""
         f = jax.ffi.ffi_call(TARGET, tuple(result_specs), input_output_aliases=aliases or None)
@@ -95,6 +99,8 @@ def _load() -> Extension:
     lib.jb_has_cuda.restype = ctypes.c_int
     lib.jb_kept_graphs.restype = ctypes.c_int64
     lib.jb_kept_graphs.argtypes = [ctypes.c_int64]
+    lib.jb_token_reads.restype = ctypes.c_int64
+    lib.jb_token_reads.argtypes = [ctypes.c_int64]
     cuda = bool(lib.jb_has_cuda())
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jb_torch_call_cpu), platform="cpu")
     if cuda:

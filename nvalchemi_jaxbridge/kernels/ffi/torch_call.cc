@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -243,9 +244,25 @@ ffi::Error run_autograd(const Plan& plan, ffi::RemainingArgs args, c10::Device d
   return ffi::Error::Success();
 }
 
+// Where a token buffer sits in this run: the graph table files graphs under it (graphs.cc).
+jb::TokenSite site_of(int64_t run, c10::Device device, const ffi::AnyBuffer& token) {
+  return jb::TokenSite{run, static_cast<int32_t>(device.index()), reinterpret_cast<uintptr_t>(token.untyped_data())};
+}
+
+// A gradient made NaN, on the stream, where `mismatch` (a 0-d device bool; undefined: no check) is
+// true: the graph found by its token's site was not the token's. Never seen: it would take XLA
+// copying one forward's token into the buffer of another's, and then the gradient must not pass
+// for a right one.
+void poison_if(const at::Tensor& mismatch, at::Tensor& grad) {
+  if (mismatch.defined() && grad.numel() != 0) {
+    grad.masked_fill_(mismatch, std::numeric_limits<double>::quiet_NaN());
+  }
+}
+
 // A differentiated call's forward: the op once under autograd, its results (returns, then mutated
 // arguments) into XLA's buffers, and the graph kept in the plan's table under the token written last.
-ffi::Error run_keep(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device) {
+ffi::Error run_keep(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device,
+                    int64_t run) {
   if (args.size() != plan.n_args || rets.size() != plan.n_results) {
     return arity_error(plan, "FFI differentiated call", args.size(), rets.size());
   }
@@ -264,7 +281,7 @@ ffi::Error run_keep(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRet
   auto b = rets.get<ffi::AnyBuffer>(plan.n_results - 1);
   if (b.has_error()) return b.error();
   at::Tensor want = as_tensor(**b, device, plan, "result", plan.n_results - 1);
-  const auto token = plan.graphs->keep(std::move(graph));
+  const auto token = plan.graphs->keep(std::move(graph), site_of(run, device, **b));
   want.select(0, 0).fill_(token.first);  // fills, not a copy from the host: no stream synchronisation
   want.select(0, 1).fill_(token.second);
   return ffi::Error::Success();
@@ -272,19 +289,30 @@ ffi::Error run_keep(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRet
 
 // The backward: the graph the forward kept under the token (or, gone, the op re-run under autograd on
 // the saved inputs), and the gradients of the differentiated inputs for the incoming cotangents.
-ffi::Error run_backward(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device) {
+ffi::Error run_backward(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device,
+                        int64_t run) {
   if (args.size() != plan.n_args || rets.size() != plan.n_results) {
     return arity_error(plan, "FFI backward call", args.size(), rets.size());
   }
   const size_t first_ct = plan.n_args - plan.outputs.size();
   auto tb = args.get<ffi::AnyBuffer>(first_ct - 1);
   if (tb.has_error()) return tb.error();
-  at::Tensor token = as_tensor(*tb, device, plan, "argument", first_ct - 1).to(c10::kCPU);  // a GPU: one sync
+  at::Tensor token = as_tensor(*tb, device, plan, "argument", first_ct - 1);
   if (token.scalar_type() != c10::ScalarType::Int || token.numel() != 2) {
     return ffi::Error::Internal("op " + plan.name + " (FFI backward call): the graph token is " + describe(token) +
                                 ", not an int32 (2,); this is a bug in nvalchemi_jaxbridge, please report it");
   }
-  std::optional<Graph> kept = plan.source->graphs->take(token.data_ptr<int32_t>()[0], token.data_ptr<int32_t>()[1]);
+  jb::GraphTable& table = *plan.source->graphs;
+  std::optional<Graph> kept;
+  at::Tensor mismatch;  // on a graph found by its token's site: whether the token there is another (0-d, on device)
+  if (auto found = table.take_at(site_of(run, device, *tb))) {
+    at::NoGradGuard no_grad;
+    mismatch = token.select(0, 0).ne(table.salt()).logical_or(token.select(0, 1).ne(found->first));
+    kept = std::move(found->second);
+  } else {
+    at::Tensor host = token.to(c10::kCPU);  // a GPU: one stream synchronisation
+    kept = table.take(host.data_ptr<int32_t>()[0], host.data_ptr<int32_t>()[1]);
+  }
   Graph graph;
   if (kept) {
     graph = std::move(*kept);
@@ -316,6 +344,7 @@ ffi::Error run_backward(const Plan& plan, ffi::RemainingArgs args, ffi::Remainin
     const at::Tensor& got = grads[l];
     if (!got.defined()) {
       want.zero_();  // the input does not reach the differentiated results
+      poison_if(mismatch, want);
       continue;
     }
     if (got.sizes() != want.sizes() || got.scalar_type() != want.scalar_type()) {
@@ -326,14 +355,16 @@ ffi::Error run_backward(const Plan& plan, ffi::RemainingArgs args, ffi::Remainin
       return ffi::Error::InvalidArgument(os.str());
     }
     want.copy_(got);
+    poison_if(mismatch, want);
   }
   return ffi::Error::Success();
 }
 
-ffi::Error run(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device) {
+ffi::Error run(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device,
+               int64_t run_id) {
   switch (plan.mode) {
-    case Mode::kKeep: return run_keep(plan, args, rets, device);
-    case Mode::kBackward: return run_backward(plan, args, rets, device);
+    case Mode::kKeep: return run_keep(plan, args, rets, device, run_id);
+    case Mode::kBackward: return run_backward(plan, args, rets, device, run_id);
     default: return run_plan(plan, args, rets, device);
   }
 }
@@ -350,7 +381,7 @@ void clear_pending_python_error() {
 }
 
 ffi::Error guarded_call(int64_t plan_id, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device,
-                        void* stream) {
+                        void* stream, int64_t run_id) {
   const Plan* plan = find_plan(plan_id);
   if (plan == nullptr) {
     return ffi::Error::Internal(
@@ -364,12 +395,12 @@ ffi::Error guarded_call(int64_t plan_id, ffi::RemainingArgs args, ffi::Remaining
     if (device.is_cuda()) {  // torch enqueues on XLA's stream (and device) for the whole call
       c10::cuda::CUDAStreamGuard guard(
           c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), device.index()));
-      return run(*plan, args, rets, device);
+      return run(*plan, args, rets, device, run_id);
     }
 #else
     (void)stream;
 #endif
-    return run(*plan, args, rets, device);
+    return run(*plan, args, rets, device, run_id);
   } catch (const c10::Error& e) {
     msg = e.what_without_backtrace();
   } catch (const std::exception& e) {
@@ -392,8 +423,8 @@ ffi::Error guarded_call(int64_t plan_id, ffi::RemainingArgs args, ffi::Remaining
 // other devices wait for this one in a rendezvous, and XLA may end the process at its timeout before
 // the returned error reaches Python, which would lose the op's message.
 ffi::Error guarded(int64_t plan_id, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device,
-                   void* stream) {
-  ffi::Error err = guarded_call(plan_id, args, rets, device, stream);
+                   void* stream, int64_t run_id) {
+  ffi::Error err = guarded_call(plan_id, args, rets, device, stream, run_id);
   if (err.failure()) {
     std::fprintf(stderr,
                  "nvalchemi_jaxbridge: on device %s: %s\n(also raised as a JAX error; if other devices wait "
@@ -404,14 +435,15 @@ ffi::Error guarded(int64_t plan_id, ffi::RemainingArgs args, ffi::RemainingRets 
   return err;
 }
 
-ffi::Error call_cpu(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t plan) {
-  return guarded(plan, args, rets, c10::Device(c10::kCPU), nullptr);
+ffi::Error call_cpu(ffi::RunId run, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t plan) {
+  return guarded(plan, args, rets, c10::Device(c10::kCPU), nullptr, run.run_id);
 }
 
 #ifdef JB_WITH_CUDA
-ffi::Error call_cuda(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                     int64_t plan) {
-  return guarded(plan, args, rets, c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(ordinal)), stream);
+ffi::Error call_cuda(cudaStream_t stream, int32_t ordinal, ffi::RunId run, ffi::RemainingArgs args,
+                     ffi::RemainingRets rets, int64_t plan) {
+  return guarded(plan, args, rets, c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(ordinal)), stream,
+                 run.run_id);
 }
 #endif
 
@@ -426,13 +458,15 @@ uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ULL) {
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_torch_call_cpu, call_cpu,
-                              ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attr<int64_t>("plan"));
+                              ffi::Ffi::Bind().Ctx<ffi::RunId>().RemainingArgs().RemainingRets().Attr<int64_t>(
+                                  "plan"));
 
 #ifdef JB_WITH_CUDA
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jb_torch_call_cuda, call_cuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::RunId>()
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("plan"));
@@ -453,6 +487,13 @@ int jb_has_cuda() {
 int64_t jb_kept_graphs(int64_t id) {
   const Plan* plan = find_plan(id);
   return plan != nullptr && plan->graphs ? static_cast<int64_t>(plan->graphs->size()) : 0;
+}
+
+// How many backwards of the differentiated-forward plan `id` read their token back from the device
+// (the others found their graph by where the token was written; 0 for any other plan).
+int64_t jb_token_reads(int64_t id) {
+  const Plan* plan = find_plan(id);
+  return plan != nullptr && plan->graphs ? plan->graphs->token_reads() : 0;
 }
 
 // The message of the last failed jb_register_plan on this thread.
