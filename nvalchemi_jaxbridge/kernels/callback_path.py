@@ -27,7 +27,6 @@ from jax.experimental.buffer_callback import buffer_callback
 from .dlpack import buffer_to_torch
 from .graph_table import TOKEN_DTYPE, TOKEN_SHAPE, GraphTable
 from .op_binding import OpBinding, _Call
-from .shape_probe import _is_inexact
 
 _log = logging.getLogger(__name__)
 
@@ -182,8 +181,8 @@ class _GradPlan:
     run_op: Callable[[Sequence[Any]], tuple[Any, ...]]
 
 
-def _grad_plan(binding: OpBinding, call: _Call, dtypes: Sequence[Any], ct_idx: tuple[int, ...]) -> _GradPlan:
-    kinds = tuple((binding.params[i].mutable, _is_inexact(d)) for i, d in zip(call.array_pos, dtypes))
+def _grad_plan(binding: OpBinding, call: _Call, diff: tuple[int, ...], ct_idx: tuple[int, ...]) -> _GradPlan:
+    kinds = tuple((binding.params[i].mutable, k in diff) for k, i in enumerate(call.array_pos))
     return _GradPlan(
         kinds, tuple(k for k, (mutable, _) in enumerate(kinds) if mutable),
         tuple(call.selected[j] for j in ct_idx), _op_caller(binding, call.statics, call.array_pos))
@@ -213,15 +212,15 @@ def _run_under_autograd(
 
 
 def forward_keeping(
-    binding: OpBinding, call: _Call, dtypes: Sequence[Any], ct_idx: tuple[int, ...], table: GraphTable
+    binding: OpBinding, call: _Call, diff: tuple[int, ...], ct_idx: tuple[int, ...], table: GraphTable
 ) -> Callable[..., tuple[jax.Array, ...]]:
     """The differentiated forward: every result, then the token of the graph kept in `table`.
 
-    The op runs once under torch autograd (its inputs cloned, the inexact ones
+    The op runs once under torch autograd (its inputs cloned, the arrays `diff`
     leaves); its results are written into XLA's buffers and `(leaves, outputs)`
     stay in `table` for the backward (`backward_body`).
     """
-    plan = _grad_plan(binding, call, dtypes, ct_idx)
+    plan = _grad_plan(binding, call, diff, ct_idx)
     n_ret = binding.n_returns
     aliases = {call.array_pos.index(i): n_ret + j for j, i in enumerate(call.mutated_pos)}
     specs = (*call.result_specs, jax.ShapeDtypeStruct(TOKEN_SHAPE, TOKEN_DTYPE))
@@ -241,14 +240,14 @@ def forward_keeping(
 
 
 def backward_body(
-    binding: OpBinding, call: _Call, dtypes: Sequence[Any], ct_idx: tuple[int, ...], table: GraphTable
+    binding: OpBinding, call: _Call, diff: tuple[int, ...], ct_idx: tuple[int, ...], table: GraphTable
 ) -> Callable[..., Any]:
-    """Callback computing the input cotangents of the inexact inputs: `(ctx, outs, *saved, token, *cotangents)`.
+    """Callback computing the cotangents of the arrays `diff`: `(ctx, outs, *saved, token, *cotangents)`.
 
     The graph the forward kept under `token` in `table`, or (absent) the op re-run
     under autograd on the saved inputs, then `torch.autograd.grad` with the cotangents.
     """
-    plan = _grad_plan(binding, call, dtypes, ct_idx)
+    plan = _grad_plan(binding, call, diff, ct_idx)
     n_arrays = len(call.array_pos)
 
     def body(outs: Sequence[Any], ins: Sequence[Any]) -> None:

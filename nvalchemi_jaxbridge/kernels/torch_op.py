@@ -183,7 +183,8 @@ class TorchOpKernel:
     def token_reads(self) -> int:
         """How many backwards so far read their torch graph's token back from the device (a stream
         synchronisation each on a GPU): every backward on the callback path; on the FFI path only
-        those that did not find the graph by where its token was written (see `graph_table`)."""
+        those that did not find the graph by where its token was written (see `graph_table`), counted
+        per plan, which every kernel of the same op and static arguments shares."""
         with self._lock:
             calls = list(self._cache.values())
         return sum(c.token_reads() for c in calls)
@@ -225,9 +226,11 @@ class TorchOpKernel:
         if fwd is None:
             fwd = callback_path.forward(binding, statics, array_pos, mutated_pos, specs)
         call = _Call(array_pos, mutated_pos, statics, binding.n_returns, specs, binding.selected, fn=None, path=path)  # type: ignore[arg-type]
-        grad, bwd_path = None, path
-        if path == "ffi":
-            grad, bwd_path = ffi_path.grad_calls(binding, self.call_path, call, arrays)
+        ffi_grads, bwd_path = None, path
+        if path == "ffi":  # the plans of every inexact array now, for the path; other sets when traced
+            _, bwd_path = ffi_path.grad_calls(binding, self.call_path, call, arrays)
+            if bwd_path == "ffi":
+                ffi_grads = lambda diff: ffi_path.grad_calls(binding, self.call_path, call, arrays, diff)[0]  # noqa: E731
         avals = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in arrays]
-        fn, kept, token_reads = vjp.custom_vjp(binding, call, fwd, avals, grad, check_grad=self.check_grad)
+        fn, kept, token_reads = vjp.custom_vjp(binding, call, fwd, avals, ffi_grads, check_grad=self.check_grad)
         return dataclasses.replace(call, fn=fn, bwd_path=bwd_path, kept=kept, token_reads=token_reads)

@@ -11,8 +11,8 @@ called twice, an entry evicted past the table's cap) it re-runs the op under
 autograd on the saved inputs instead. Both run on the forward's path: the FFI
 handlers (`ffi_path.grad_calls`, graphs kept in C++) where the forward took the
 FFI path, else `buffer_callback`s (`callback_path.forward_keeping` and
-`backward_body`). Only the inexact inputs are differentiated, against the
-cotangents of the inexact selected results. Before the first backward, a
+`backward_body`). Only the inputs JAX differentiates (inexact and perturbed) are
+torch leaves, against the cotangents of the inexact selected results. Before the first backward, a
 trace-time check on fake tensors says whether torch can differentiate the op
 at all (`NotDifferentiableError`, naming the fix).
 
@@ -22,11 +22,15 @@ Inside `shard_map(check_vma=True)` the varying-axes typing that
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import torch
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental.buffer_callback import buffer_callback
 
 from . import callback_path
@@ -101,24 +105,63 @@ def check_differentiable(binding: OpBinding, call: _Call, arrays: Sequence[Any])
 # ----------------------------------------------------------------------------- the custom_vjp
 
 
+@jax.tree_util.register_pytree_node_class
+class _Residuals:
+    """What a differentiated forward leaves its backward: the saved arrays, the graph token, and
+    (static) which arrays were differentiated."""
+
+    def __init__(self, arrays: tuple[jax.Array, ...], token: jax.Array | None, diff: tuple[int, ...]) -> None:
+        self.arrays, self.token, self.diff = arrays, token, diff
+
+    def tree_flatten(self):
+        return (self.arrays, self.token), self.diff
+
+    @classmethod
+    def tree_unflatten(cls, diff, children):
+        return cls(children[0], children[1], diff)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GradPair:
+    """The differentiated forward and the backward of one set of differentiated arrays."""
+
+    forward: Callable[..., Any]  # (*arrays) -> (*results, token)
+    backward: Callable[..., Any]  # (*saved arrays, token, *cotangents) -> gradients of the differentiated arrays
+    kept: Callable[[], int]
+    token_reads: Callable[[], int]
+
+
+def _zeros_for(ct: Any, axes: frozenset[str]) -> jax.Array:
+    """A cotangent as an array: a symbolic zero made a zero array, varying like the call."""
+    if isinstance(ct, SymbolicZero):
+        return _vary(jnp.zeros(ct.shape, ct.dtype), axes)
+    return ct
+
+
 def custom_vjp(
     binding: OpBinding,
     call: _Call,
     fwd_cb: Callable[..., Any],
     avals: Sequence[jax.ShapeDtypeStruct],
-    grad_ffi: Any = None,
+    ffi_grads: Callable[[tuple[int, ...]], Any] | None = None,
     *,
     check_grad: bool,
 ) -> tuple[Callable[..., Any], Callable[[], int], Callable[[], int]]:
     """The call's `jax.custom_vjp` function of its arrays (returning the selected results), and two counts.
+
+    Only the arrays JAX differentiates (inexact and perturbed: a gradient is asked of
+    them) are torch autograd leaves, so torch computes no gradient nobody reads (for a
+    model stage: not the node attributes' or the edge shifts'). Each such set gets its
+    own differentiated forward and backward, made when first traced.
 
     Args:
         binding: the op's binding.
         call: the call's plan (`fn` not set yet).
         fwd_cb: the forward on the call's path, returning every result.
         avals: the shapes and dtypes of the call's arrays.
-        grad_ffi: the FFI path's differentiated forward and backward (`ffi_path.GradCalls`),
-            where the forward takes the FFI path; else the callback path's are used.
+        ffi_grads: where the forward takes the FFI path, the FFI path's differentiated forward and
+            backward of a set of differentiated arrays (`ffi_path.GradCalls`, or None to use the
+            callback path's for that set); else the callback path's are used.
         check_grad: run `check_differentiable` when the forward is traced for a VJP.
 
     Returns:
@@ -128,24 +171,39 @@ def custom_vjp(
     selected = call.selected
     sel_inexact = tuple(j for j, s in enumerate(selected) if _is_inexact(call.result_specs[s].dtype))
     dtypes = [a.dtype for a in avals]
-    diff = tuple(k for k, d in enumerate(dtypes) if _is_inexact(d))
-    graphs = bool(diff) and bool(sel_inexact)  # else no gradient flows: no graph, no backward call
-    if not graphs:
-        fwd_keep = bwd = None
-        kept: Callable[[], int] = lambda: 0
-        token_reads: Callable[[], int] = lambda: 0
-    elif grad_ffi is not None:
-        fwd_keep, bwd, kept, token_reads = grad_ffi.forward, grad_ffi.backward, grad_ffi.kept, grad_ffi.token_reads
-    else:
+    inexact = tuple(k for k, d in enumerate(dtypes) if _is_inexact(d))
+    pairs: dict[tuple[int, ...], _GradPair] = {}
+    lock = threading.Lock()
+
+    def make_pair(diff: tuple[int, ...]) -> _GradPair:
+        g = ffi_grads(diff) if ffi_grads is not None else None
+        if g is not None:
+            return _GradPair(g.forward, g.backward, g.kept, g.token_reads)
         table = GraphTable()
-        fwd_keep = callback_path.forward_keeping(binding, call, dtypes, sel_inexact, table)
         shapes = tuple(jax.ShapeDtypeStruct(tuple(avals[k].shape), avals[k].dtype) for k in diff)
-        bwd = buffer_callback(callback_path.backward_body(binding, call, dtypes, sel_inexact, table), shapes)
-        kept = table.__len__
-        token_reads = lambda: table.token_reads  # noqa: E731
+        return _GradPair(
+            callback_path.forward_keeping(binding, call, diff, sel_inexact, table),
+            buffer_callback(callback_path.backward_body(binding, call, diff, sel_inexact, table), shapes),
+            table.__len__, lambda: table.token_reads)
+
+    def pair_for(diff: tuple[int, ...]) -> _GradPair:
+        with lock:
+            if diff not in pairs:
+                pairs[diff] = make_pair(diff)
+            return pairs[diff]
+
+    def counts(name: str) -> Callable[[], int]:
+        def total() -> int:
+            with lock:
+                live = list(pairs.values())
+            return sum(getattr(p, name)() for p in live)
+        return total
+
+    def varying_axes(arrays: Sequence[jax.Array]) -> frozenset[str]:
+        return frozenset().union(*(_vma(a) for a in arrays)) if arrays else frozenset()
 
     def run_forward(*arrays: jax.Array) -> tuple[jax.Array, ...]:
-        axes = frozenset().union(*(_vma(a) for a in arrays)) if arrays else frozenset()
+        axes = varying_axes(arrays)
         outs = fwd_cb(*arrays)
         return tuple(_vary(outs[s], axes) for s in selected)
 
@@ -153,25 +211,28 @@ def custom_vjp(
     def fn(*arrays: jax.Array) -> tuple[jax.Array, ...]:
         return run_forward(*arrays)
 
-    def fn_fwd(*arrays: jax.Array):
+    def fn_fwd(*primals: Any):
+        arrays = tuple(p.value for p in primals)
+        diff = tuple(k for k in inexact if primals[k].perturbed) if sel_inexact else ()
+        if not diff:  # no gradient flows through the op: no graph, no backward call
+            return run_forward(*arrays), _Residuals(arrays, None, ())
         if check_grad:
             check_differentiable(binding, call, arrays)
-        if fwd_keep is None:
-            return run_forward(*arrays), (arrays, None)
-        axes = frozenset().union(*(_vma(a) for a in arrays)) if arrays else frozenset()
-        *outs, token = fwd_keep(*arrays)
-        return tuple(_vary(outs[s], axes) for s in selected), (arrays, _vary(token, axes))
+        axes = varying_axes(arrays)
+        *outs, token = pair_for(diff).forward(*arrays)
+        return tuple(_vary(outs[s], axes) for s in selected), _Residuals(arrays, _vary(token, axes), diff)
 
-    def fn_bwd(res: tuple[tuple[jax.Array, ...], jax.Array | None], cts: tuple[jax.Array, ...]):
-        saved, token = res
+    def fn_bwd(res: _Residuals, cts: tuple[Any, ...]):
+        saved, diff = res.arrays, res.diff
         out: list[Any] = [None] * len(saved)
-        if bwd is None:
-            return tuple(out)  # no inexact input reaches an inexact result: zero cotangents
-        axes = frozenset().union(*(_vma(a) for a in saved)) if saved else frozenset()
-        grads = bwd(*saved, token, *(cts[j] for j in sel_inexact))
+        if not diff:
+            return tuple(out)  # nothing was differentiated: no backward call
+        # every cotangent zero still calls the backward, which releases the kept graph
+        axes = varying_axes(saved)
+        grads = pair_for(diff).backward(*saved, res.token, *(_zeros_for(cts[j], axes) for j in sel_inexact))
         for k, g in zip(diff, grads):
             out[k] = _vary(g, axes)
         return tuple(out)
 
-    fn.defvjp(fn_fwd, fn_bwd)
-    return fn, kept, token_reads
+    fn.defvjp(fn_fwd, fn_bwd, symbolic_zeros=True)
+    return fn, counts("kept"), counts("token_reads")

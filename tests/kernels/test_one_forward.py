@@ -187,6 +187,54 @@ def test_callback_backwards_read_their_token():
     assert k.token_reads() == 2
 
 
+# ------------------------------------------------------------------ only what JAX differentiates
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_torch_differentiates_only_the_arrays_jax_asks_about(path):
+    """An array JAX does not differentiate (not in argnums, behind stop_gradient) is no torch leaf; the
+    gradients asked for still match torch's."""
+    seen: list[tuple[bool, bool]] = []
+
+    def fn(x, y):
+        if torch.is_grad_enabled():  # the runs under autograd (not the shape probe's)
+            seen.append((x.requires_grad, y.requires_grad))
+        return (x * x * y[:, None]).sum().reshape(1)
+
+    k = torch_function(fn, 2, 1, label=f"leaves_{path}", call_path=path)
+    rng = np.random.default_rng(13)
+    x, y = rng.normal(size=(5, 3)), rng.normal(size=5)
+    energy = lambda x, y: k(x, y)[0]  # noqa: E731
+    for argnums, want in [(0, (True, False)), (1, (False, True)), ((0, 1), (True, True))]:
+        seen.clear()
+        g = jax.jit(jax.grad(energy, argnums=argnums))(x, y)
+        assert seen and set(seen) == {want}, (argnums, seen)
+        gx, gy = 2.0 * x * y[:, None], (x * x).sum(1)
+        for got, ref in zip(g if isinstance(argnums, tuple) else (g,),
+                            [gx, gy] if argnums == (0, 1) else [gx if argnums == 0 else gy]):
+            np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-13)
+    seen.clear()
+    g = jax.jit(jax.grad(lambda x, y: energy(x, jax.lax.stop_gradient(2.0 * y))))(x, y)
+    assert set(seen) == {(True, False)}
+    np.testing.assert_allclose(np.asarray(g), 4.0 * x * y[:, None], rtol=1e-13)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_outputs_outside_the_differentiated_loss_give_the_right_gradients(path):
+    """The op's results reach value_and_grad only as aux, or through stop_gradient (then no graph is kept:
+    JAX does not differentiate the op at all)."""
+    k = TorchOpKernel(PAIR_SQ, call_path=path)
+    x = _x(4, seed=14)
+    stop = jax.jit(jax.grad(lambda x: jnp.sum(jax.lax.stop_gradient(k(x, 1.0)[1])) + jnp.sum(x)))
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(stop(x)), np.ones_like(x))
+    assert k.kept_graphs() == 0
+    aux = jax.jit(jax.value_and_grad(lambda x: (jnp.sum(x * x), k(x, 1.0)[1]), has_aux=True))
+    (_, rows), g = aux(x)
+    np.testing.assert_allclose(np.asarray(rows), np.sum(x * x, 1), rtol=1e-13)
+    np.testing.assert_allclose(np.asarray(g), 2.0 * x, rtol=1e-13)
+
+
 # ------------------------------------------------------------------ gradients against torch
 
 
