@@ -5,7 +5,7 @@ layers are small `nn.Module`s (`StagedModel.layers`); the per-layer exchange is
 declared as one `ModuleForwardAdapter` per layer after the first, added to the
 model's spec as third-party helpers (`distribution_spec()`) and installed with
 the spec's other adapters around each evaluation; the adapter's
-forward refreshes the incoming node features (`torch.functions.refresh_halo`)
+forward refreshes the incoming node features (`torch.layer_exchange.refresh_halo`)
 before the layer runs. Autograd runs the adjoint exchanges: every rank
 differentiates its own owned node energies, and the exchanges' backward programs
 sum the ghost contributions into their owners across ranks, so each rank's
@@ -24,6 +24,7 @@ from ..layout import HaloPlan
 from ..lower import exchange as X
 from ..spec import AdapterRegistry, ModuleForwardAdapter
 from ..torch import functions as F
+from ..torch.layer_exchange import fold_halo, refresh_halo
 from .edges import EdgePlan
 from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, like, numpy_dtype
 from .specs import RunSettings, as_mlip_spec, cell_volume, check_model, run_settings, stress_wanted
@@ -124,9 +125,9 @@ class TorchDistributedMLIP:
         ctx = self._ctx
         n, n_own = ctx.n_owned + ctx.n_ghost, ctx.n_owned
         if X.exchanges_of(policy)[0]:
-            real = F.refresh_halo(ctx, x[:n], policy)
+            real = refresh_halo(ctx, x[:n], policy)
         else:
-            real = F.fold_halo(ctx, torch.cat([x[:n_own], torch.zeros_like(x[n_own:n])]), policy)
+            real = fold_halo(ctx, torch.cat([x[:n_own], torch.zeros_like(x[n_own:n])]), policy)
         return torch.cat([real, x[n:]])
 
     # ---------------------------------------------------------------- layout

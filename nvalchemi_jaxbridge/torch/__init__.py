@@ -16,8 +16,8 @@ from .distributed import ProcessInfo as ProcessInfo
 from .distributed import initialize as initialize
 from .distributed import process_info as process_info
 from .distributed import shutdown as shutdown
-from .functions import fold_halo as fold_halo
-from .functions import refresh_halo as refresh_halo
+from .layer_exchange import fold_halo as fold_halo
+from .layer_exchange import refresh_halo as refresh_halo
 from .interop import from_nvalchemi as from_nvalchemi
 from .meaning import ShardTensorMeaningError as ShardTensorMeaningError
 from .shard_tensor import ShardTensor as ShardTensor

@@ -21,10 +21,8 @@ already holds the global cotangent.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -37,143 +35,9 @@ from jax.sharding import PartitionSpec as P
 
 from ..kernels.dlpack import jax_to_torch, torch_to_jax
 from ..lower import collectives as col
-from ..lower.mesh import make_mesh, mesh_axis
-from ..lower.tables import device_tables, is_halo_plan, is_shard_plan
-
-# The most recent plans' contexts (device tables included). Bounded, so an MD run that
-# rebuilds its plan every few steps does not keep every old plan's tables alive; an
-# evicted plan that comes back gets a fresh context (its tables uploaded again).
-_CONTEXTS: collections.OrderedDict[int, tuple[Any, PlanContext]] = collections.OrderedDict()
-_MAX_CONTEXTS = 8
-_MESH: dict[str, Any] = {}
-
-
-def front_door_mesh() -> jax.sharding.Mesh:
-    """The 1-D mesh of the torch front door: the first local device of every process, by rank."""
-    if "mesh" not in _MESH:
-        first: dict[int, Any] = {}
-        for d in jax.devices():
-            first.setdefault(d.process_index, d)
-        _MESH["mesh"] = make_mesh(devices=[first[p] for p in sorted(first)])
-    return _MESH["mesh"]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PlanContext:
-    """A plan as seen by this process: its rank, counts, mesh and device tables."""
-
-    plan: Any
-    kind: str  # "halo" or "shard"
-    mesh: Any
-    axis: str
-    rank: int
-    n_devices: int
-    n_global: int
-    n_owned: int
-    n_ghost: int
-    owned_capacity: int
-    halo_rows: int
-
-    @functools.cached_property
-    def tables(self) -> Any:
-        """The plan's tables as sharded jax arrays (built on first use)."""
-        return _device_tables(self.plan, self.mesh, self.device)
-
-    @functools.cached_property
-    def shard_tables(self) -> Any:
-        """Owner-routing tables (for `full_tensor`), also for a halo plan."""
-        if self.kind == "shard":
-            return self.tables
-        p = self.plan
-        view = types.SimpleNamespace(
-            n_devices=self.n_devices, n_global=self.n_global, owner=p.owner, local_index=p.local_index,
-            owned_global=p.owned_global, n_owned=p.n_owned, owned_capacity=self.owned_capacity,
-        )
-        return _device_tables(view, self.mesh, self.device)
-
-    @property
-    def device(self) -> Any:
-        """This process's JAX device."""
-        return self.mesh.devices.flat[self.rank]
-
-    @functools.cached_property
-    def row_sharding(self) -> NamedSharding:
-        """The sharding of a global array of stacked per-rank blocks, `P(axis)`."""
-        return NamedSharding(self.mesh, P(self.axis))
-
-    @functools.cached_property
-    def memo(self) -> dict[tuple, Any]:
-        """Per-context cache: steps by (transform, shape, dtype, flags), zero padding blocks."""
-        return {}
-
-    def owned_ids(self) -> np.ndarray:
-        """Global ids of this rank's owned rows, in row order."""
-        return np.asarray(self.plan.owned_global)[self.rank, : self.n_owned].astype(np.int64)
-
-    def default_policy(self) -> Any:
-        """The storage policy the plan implies (when no spec was given)."""
-        from ..spec import policies
-
-        return policies.HaloStoragePolicy() if self.kind == "halo" else policies.PlainShard()
-
-
-def _device_tables(plan: Any, mesh: Any, device: Any) -> Any:
-    """`device_tables`, after torch's queued GPU work on this process's device is done (once per plan).
-
-    An upload is not ordered behind torch's stream, and its fresh XLA memory may
-    be a JAX output that torch still has queued reads of (see `_call`); waiting
-    for torch first costs one host sync per plan, not per transform.
-    """
-    if device.platform == "gpu":
-        torch.cuda.current_stream(device.local_hardware_id).synchronize()
-    return device_tables(plan, mesh)
-
-
-def _make_context(plan: Any) -> PlanContext:
-    """Validate `plan` against this job and read this rank's counts."""
-    if is_halo_plan(plan):
-        kind = "halo"
-    elif is_shard_plan(plan):
-        kind = "shard"
-    else:
-        raise TypeError(
-            f"ShardTensor: expected a HaloPlan or ShardPlan, got {type(plan).__name__}; build one with "
-            "nvalchemi_jaxbridge.layout"
-        )
-    mesh = front_door_mesh()
-    axis = mesh_axis(mesh)
-    world = int(mesh.shape[axis])
-    if int(plan.n_devices) != world:
-        raise ValueError(
-            f"ShardTensor: the plan was built for {plan.n_devices} devices but this job has {world} "
-            "process(es) with one device each; build the plan with n_devices=jax.process_count() "
-            "(start the job with the launcher and call nvalchemi_jaxbridge.torch.initialize() first)"
-        )
-    rank = jax.process_index()
-    n_owned = int(np.asarray(plan.n_owned)[rank])
-    oc = int(plan.owned_capacity)
-    if kind == "halo":
-        n_ghost, hr = int(np.asarray(plan.n_ghost)[rank]), int(plan.halo_rows)
-        n_global = int(getattr(plan, "n_atoms", getattr(plan, "n_global", -1)))
-    else:
-        n_ghost, hr, n_global = 0, oc, int(plan.n_global)
-    return PlanContext(plan, kind, mesh, axis, rank, world, n_global, n_owned, n_ghost, oc, hr)
-
-
-def context_for(plan: Any) -> PlanContext:
-    """The (cached) `PlanContext` of `plan` in this process."""
-    if isinstance(plan, PlanContext):
-        return plan
-    hit = _CONTEXTS.get(id(plan))
-    if hit is not None and hit[0] is plan:
-        _CONTEXTS.move_to_end(id(plan))
-        return hit[1]
-    ctx = _make_context(plan)
-    _CONTEXTS[id(plan)] = (plan, ctx)
-    while len(_CONTEXTS) > _MAX_CONTEXTS:
-        _CONTEXTS.popitem(last=False)
-    return ctx
-
+from .plan_context import PlanContext as PlanContext  # re-exported: callers of the transforms take
+from .plan_context import context_for as context_for  # their context from this module too
+from .plan_context import front_door_mesh as front_door_mesh
 
 # ---- programs ---------------------------------------------------------------------
 
@@ -534,97 +398,6 @@ def halo_from_owned(ctx: PlanContext, owned: torch.Tensor, *, positions: bool) -
 def gather_owned(ctx: PlanContext, owned: torch.Tensor) -> torch.Tensor:
     """All ranks' owned rows in global-id order, on every rank (differentiable)."""
     return apply(GatherOwnedFn, owned, gather_full_step(ctx, tuple(owned.shape), _jax_dtype(owned)))
-
-
-# ---- the storage policy's exchanges between layers (lower/exchange.py, torch side) ----
-
-
-def _policy_rows(ctx_or_plan: Any, block: torch.Tensor, policy: Any, fn: str) -> tuple[PlanContext, Any, str]:
-    """The context, the policy (the plan's default if None) and its kind, checked against the plan and block."""
-    from ..lower.exchange import _kind
-
-    ctx = context_for(ctx_or_plan)
-    policy = ctx.default_policy() if policy is None else policy
-    kind = _kind(policy, fn)
-    storage = "halo" if kind in ("halo", "refresh_halo") else "shard"
-    if storage != ctx.kind:
-        raise ValueError(
-            f"{fn}: the policy {policy!r} uses {storage} storage but the plan is a "
-            f"{'HaloPlan' if ctx.kind == 'halo' else 'ShardPlan'}; pass the policy of the spec the plan was built for."
-        )
-    rows = ctx.n_owned + ctx.n_ghost
-    if storage == "halo" and (block.ndim == 0 or block.shape[0] != rows):
-        raise ValueError(
-            f"{fn}: expected this rank's halo block of n_owned + n_ghost = {ctx.n_owned} + {ctx.n_ghost} = {rows} "
-            f"rows, got shape {tuple(block.shape)}; build it with ShardTensor.from_global(x, plan, layout='halo')."
-        )
-    if storage == "shard" and (block.ndim == 0 or block.shape[0] < ctx.n_owned):
-        raise ValueError(
-            f"{fn}: expected this rank's n_owned={ctx.n_owned} owned rows (then any pad rows), got shape "
-            f"{tuple(block.shape)}."
-        )
-    return ctx, policy, kind
-
-
-def refresh_halo(ctx_or_plan: Any, block: torch.Tensor, policy: Any = None) -> torch.Tensor:
-    """The policy's refresh of this rank's block: ghost rows replaced by their owners' current values.
-
-    Halo policies (`gather_mode="halo_read"`): `(n_owned + n_ghost, *F)` -> the same
-    rows, owned rows unchanged; backward sums the ghost rows' gradients into
-    their owners (the reverse exchange) and gives ghost rows zero.
-    `gather_mode="local"` and `PlainShard`: the block itself (off).
-    `GraphParallelPolicy`: `(n_owned + k, *F)` -> `(n_global + k, *F)`, every
-    rank's owned rows in global-id order, the `k` trailing pad rows kept.
-
-    Args:
-        ctx_or_plan: the `HaloPlan` / `ShardPlan` (or its `PlanContext`).
-        block: this rank's block (a plain tensor, or the data of a `ShardTensor`).
-        policy: the storage policy (optional, default the plan's: `HaloStoragePolicy()`
-            for a halo plan, `PlainShard()` for a shard plan).
-
-    Returns:
-        The refreshed block (differentiable, double backward included).
-
-    Raises:
-        ValueError: the policy's storage differs from the plan's, or the block has the wrong rows.
-    """
-    from ..lower.exchange import exchanges_of
-
-    ctx, policy, kind = _policy_rows(ctx_or_plan, block, policy, "refresh_halo")
-    if not exchanges_of(policy)[0]:
-        return block
-    if kind in ("halo", "refresh_halo"):
-        return halo_from_owned(ctx, block[: ctx.n_owned], positions=False)
-    full = gather_owned(ctx, block[: ctx.n_owned])  # graph parallel
-    return full if block.shape[0] == ctx.n_owned else torch.cat([full, block[ctx.n_owned:]])
-
-
-def fold_halo(ctx_or_plan: Any, block: torch.Tensor, policy: Any = None) -> torch.Tensor:
-    """The policy's fold (ScatterOutputs) of this rank's block: ghost partials added into owners, then refreshed.
-
-    `HaloStoragePolicy` (`scatter_mode="halo_correction"`): `(n_owned + n_ghost, *F)`
-    -> the same rows, every copy of an atom holding its total over all ranks;
-    self-adjoint. `scatter_mode="local"`, `RefreshOnlyHaloPolicy`,
-    `GraphParallelPolicy`, `PlainShard`: the block itself.
-
-    Args:
-        ctx_or_plan: the `HaloPlan` / `ShardPlan` (or its `PlanContext`).
-        block: this rank's block.
-        policy: the storage policy (optional, default the plan's, as in `refresh_halo`).
-
-    Returns:
-        The folded block (differentiable).
-
-    Raises:
-        ValueError: the policy's storage differs from the plan's, or the block has the wrong rows.
-    """
-    from ..lower.exchange import exchanges_of
-
-    ctx, policy, _ = _policy_rows(ctx_or_plan, block, policy, "fold_halo")
-    if exchanges_of(policy)[1]:
-        step = scatter_outputs_step(ctx, tuple(block.shape), _jax_dtype(block))
-        return apply(ScatterOutputsFn, block, step)
-    return block
 
 
 _JAX_DTYPES: dict[torch.dtype, Any] = {}

@@ -36,7 +36,7 @@ LAYOUTS = ("owned", "halo", "replicated")
 class ShardMeta:
     """What a ShardTensor knows besides its data: plan context, layout and roles."""
 
-    context: Any  # functions.PlanContext: plan, mesh, rank, device tables
+    context: Any  # plan_context.PlanContext: plan, mesh, rank, device tables
     layout: str
     positions: bool = False
     spec: Any = None
@@ -108,7 +108,7 @@ class ShardTensor(torch.Tensor):
             TypeError: `local` is not a tensor, or `positions=True` and it is not real floating point.
             ValueError: unknown layout, or the block has fewer rows than the layout needs.
         """
-        from .functions import context_for
+        from .plan_context import context_for
 
         if layout not in LAYOUTS:
             raise ValueError(f"ShardTensor.from_local: layout must be one of {LAYOUTS}, got {layout!r}")
@@ -150,7 +150,8 @@ class ShardTensor(torch.Tensor):
                 truncated, an imaginary part dropped): convert it first, e.g. `full.to(torch.float64)`.
             ValueError: an unknown layout, or not one row per atom of the plan.
         """
-        from .functions import context_for, halo_from_owned
+        from .functions import halo_from_owned
+        from .plan_context import context_for
 
         if layout not in ("owned", "halo"):
             raise ValueError(

@@ -3,7 +3,7 @@
 import numpy as np
 
 from nvalchemi_jaxbridge.layout import HaloPlan
-from nvalchemi_jaxbridge.torch import functions
+from nvalchemi_jaxbridge.torch import plan_context
 
 
 def _plan(seed: int) -> HaloPlan:
@@ -12,11 +12,11 @@ def _plan(seed: int) -> HaloPlan:
 
 
 def test_recent_plans_hit_the_cache_and_old_ones_are_evicted():
-    functions._CONTEXTS.clear()
-    plans = [_plan(s) for s in range(functions._MAX_CONTEXTS + 5)]
-    ctxs = [functions.context_for(p) for p in plans]
-    assert len(functions._CONTEXTS) == functions._MAX_CONTEXTS
-    assert functions.context_for(plans[-1]) is ctxs[-1]  # recent: same context
-    old = functions.context_for(plans[0])  # evicted: rebuilt, still valid for its plan
+    plan_context._CONTEXTS.clear()
+    plans = [_plan(s) for s in range(plan_context._MAX_CONTEXTS + 5)]
+    ctxs = [plan_context.context_for(p) for p in plans]
+    assert len(plan_context._CONTEXTS) == plan_context._MAX_CONTEXTS
+    assert plan_context.context_for(plans[-1]) is ctxs[-1]  # recent: same context
+    old = plan_context.context_for(plans[0])  # evicted: rebuilt, still valid for its plan
     assert old is not ctxs[0] and old.plan is plans[0] and old.n_owned == 12
-    assert len(functions._CONTEXTS) == functions._MAX_CONTEXTS
+    assert len(plan_context._CONTEXTS) == plan_context._MAX_CONTEXTS

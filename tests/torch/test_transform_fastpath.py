@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from nvalchemi_jaxbridge.layout import HaloPlan
 from nvalchemi_jaxbridge.torch import functions as F
+from nvalchemi_jaxbridge.torch.layer_exchange import fold_halo, refresh_halo
 
 
 def _plan(n: int, seed: int, headroom: float) -> HaloPlan:
@@ -116,17 +117,17 @@ def test_refresh_and_fold_halo_match_closed_forms_on_one_rank(n, seed, feat):
     s_w = np.zeros((n, feat))
     np.add.at(s_w, ids, w)
     block = torch.tensor(stale, requires_grad=True)
-    out = F.refresh_halo(plan, block)
+    out = refresh_halo(plan, block)
     np.testing.assert_allclose(out.detach().numpy(), x_global[ids], rtol=0, atol=1e-14)
     (grad,) = torch.autograd.grad((out * torch.tensor(w)).sum(), block)
     want = np.zeros((n_pad, feat))
     want[: ctx.n_owned] = s_w[owned]                                  # ghost gradients summed into owners
     np.testing.assert_allclose(grad.numpy(), want, rtol=1e-12, atol=1e-12)
     y = torch.tensor(w, requires_grad=True)
-    folded = F.fold_halo(plan, y)
+    folded = fold_halo(plan, y)
     np.testing.assert_allclose(folded.detach().numpy(), s_w[ids], rtol=1e-12, atol=1e-12)
     (g2,) = torch.autograd.grad((folded * block.detach()).sum(), y)
-    np.testing.assert_allclose(g2.numpy(), F.fold_halo(plan, block.detach()).numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(g2.numpy(), fold_halo(plan, block.detach()).numpy(), rtol=1e-12, atol=1e-12)
 
 
 def test_refresh_and_fold_halo_follow_the_policy():
@@ -137,15 +138,15 @@ def test_refresh_and_fold_halo_follow_the_policy():
     plan = _plan(12, 5, 1.6)
     ctx = F.context_for(plan)
     block = torch.randn(ctx.n_owned + ctx.n_ghost, 2, dtype=torch.float64)
-    assert F.refresh_halo(plan, block, HaloStoragePolicy(gather_mode="local")) is block
+    assert refresh_halo(plan, block, HaloStoragePolicy(gather_mode="local")) is block
     for off in (RefreshOnlyHaloPolicy(), HaloStoragePolicy(scatter_mode="local")):
-        assert F.fold_halo(plan, block, off) is block
-    assert torch.equal(F.refresh_halo(plan, block, RefreshOnlyHaloPolicy()), F.refresh_halo(plan, block))
+        assert fold_halo(plan, block, off) is block
+    assert torch.equal(refresh_halo(plan, block, RefreshOnlyHaloPolicy()), refresh_halo(plan, block))
     with pytest.raises(ValueError, match=r"refresh_halo: expected this rank's halo block of n_owned \+ n_ghost"):
-        F.refresh_halo(plan, block[:-1])
+        refresh_halo(plan, block[:-1])
     with pytest.raises(ValueError, match=r"fold_halo: the policy PlainShard\(\) uses shard storage but the plan"):
-        F.fold_halo(plan, block, PlainShard())
+        fold_halo(plan, block, PlainShard())
     splan = ShardPlan.from_assignment(np.zeros(5, int), 1)
     x = torch.arange(6.0, dtype=torch.float64)                        # 5 owned rows, then a pad row
-    np.testing.assert_array_equal(F.refresh_halo(splan, x, GraphParallelPolicy()).numpy(), x.numpy())
-    assert F.refresh_halo(splan, x) is x and F.fold_halo(splan, x, GraphParallelPolicy()) is x
+    np.testing.assert_array_equal(refresh_halo(splan, x, GraphParallelPolicy()).numpy(), x.numpy())
+    assert refresh_halo(splan, x) is x and fold_halo(splan, x, GraphParallelPolicy()) is x
