@@ -1,6 +1,6 @@
 """Energy + forces of an autograd-force torch function through the bridge against native `autograd.grad`.
 
-    PYTHONPATH=. python3 benchmarks/grad_through_op.py --out OUTDIR [--smoke] [--sizes 1000,10000]
+    PYTHONPATH=. python3 benchmarks/grad_through_op.py --out OUTDIR [--smoke] [--sizes 1000,10000] [--profile]
 
 The function is what a message-passing model's energy looks like to autograd: a Lennard-Jones
 energy summed over a fixed edge list (positions (N, 3) and edges (E, 2) in, a scalar out), with
@@ -8,7 +8,10 @@ no backward formula of its own. Native: `e = fn(x, edges); torch.autograd.grad(e
 `jax.jit(jax.value_and_grad(kernel))` of the same function as a torch op (`torch_function`), on
 the FFI and the callback call paths. The table counts how many times the function's forward ran
 per energy + forces (native: 1) and gives bridge/native throughput (target >= 0.95x, issue 15).
-`--label` tags the rows, so runs of two versions of the package can share one table.
+`--label` tags the rows, so runs of two versions of the package can share one table. `--profile`
+adds, per size, 30 back-to-back calls of each side under `torch.profiler` (CUPTI sees XLA's kernels
+too): kernels per call (the function's, XLA's), device busy time per call by source, host
+synchronisations per call, and the wall time of a call in that loop (`md_breakdown.profile`).
 """
 
 from __future__ import annotations
@@ -52,6 +55,13 @@ def make_energy(counter: list[int]):
     return energy
 
 
+def profile_calls(call, sync, calls: int) -> dict:
+    """`md_breakdown.profile` of `calls` back-to-back calls (imported here: it pulls in md_step)."""
+    import md_breakdown
+
+    return md_breakdown.profile(call, sync, calls)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = cm.base_parser(__doc__.splitlines()[0])
     p.add_argument("--sizes", default=None, help=f"atoms, comma list (default {','.join(map(str, SIZES))})")
@@ -59,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=None, help="timed calls (default 30, smoke 3)")
     p.add_argument("--paths", default="ffi,callback", help="bridge call paths, comma list")
     p.add_argument("--label", default="", help="a tag for the rows (e.g. the package version measured)")
+    p.add_argument("--profile", action="store_true", help="also profile each side (torch.profiler, 30 calls)")
     a = p.parse_args(argv)
     platform = cm.setup(a.platform)
     import jax
@@ -78,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
                     a.out, cm.context(platform), settings)
     rows = rep.table("Energy + forces", ["label", "atoms", "edges", "run", "forwards per E+F", "E+F (ms)",
                                          "bridge/native", "token reads per E+F", "max |dF| / max |F|"])
+    prof_rows = None
+    if a.profile:
+        prof_rows = rep.table("Per E+F under the profiler (30 calls back to back)", [
+            "label", "atoms", "run", "wall ms per call", "device busy ms: function / xla / copy", "kernels: function / xla",
+            "host syncs (waiting ms)"])
     for n in sizes:
         with rep.section(f"{n} atoms"):
             pos, edges = edge_list(n)
@@ -99,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             f_ref = -g_ref.detach().cpu().numpy()
             t_cell = cm.ms(t_native) + (f" (events {cm.ms(cm.med(ev))})" if ev else "")
             rep.row(rows, [a.label or "-", n, len(edges), "native", counter[0], t_cell, "1", "-", "-"])
+            torch_sync = (lambda _: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda _: None)
+            profiled = [("native", native, torch_sync)]
             x_j = jnp.asarray(pos, dtype=a.dtype)
             e_j = jnp.asarray(edges.astype(np.int32))
             for path in [s for s in a.paths.split(",") if s]:
@@ -112,6 +130,15 @@ def main(argv: list[str] | None = None) -> int:
                 err = float(np.abs(-np.asarray(g) - f_ref).max() / max(np.abs(f_ref).max(), 1e-30))
                 rep.row(rows, [a.label or "-", n, len(edges), f"bridge ({path})", counter[0], cm.ms(t),
                                f"{t_native / t:.2f}x", reads, f"{err:.1e}"])
+                if prof_rows is not None:
+                    profiled.append((f"bridge ({path})", lambda vg=vg: vg(x_j, e_j), jax.block_until_ready))
+            for run, call, done in profiled if prof_rows is not None else ():
+                pr = profile_calls(call, done, 30)
+                b = pr["busy"]
+                rep.row(prof_rows, [a.label or "-", n, run, cm.ms(pr["wall"]),
+                                    " / ".join(cm.ms(b.get(k, 0.0)) for k in ("op", "xla", "copy")),
+                                    f"{pr['kernels_op']:.0f} / {pr['kernels_xla']:.0f}",
+                                    f"{pr['syncs']:.1f} ({cm.ms(pr['wait'])})"])
     rep.note("forwards per E+F: how many times the energy function ran for one energy + forces call "
              "(native torch: once). Both sides are timed by wall clock around the call and a synchronisation "
              "(native's CUDA-event time beside it). bridge/native > 1 means the bridge is faster. token reads: "

@@ -80,11 +80,13 @@ def profile(step, sync, steps: int) -> dict:
     busy = collections.Counter()
     top: collections.Counter[str] = collections.Counter()
     n_kernels, n_sync, wait = 0, 0, 0.0
+    by_kind: collections.Counter[str] = collections.Counter()
     for e in events:
         cat, name, dur = e.get("cat", ""), e.get("name", ""), float(e.get("dur", 0)) * 1e-6
         if cat == "kernel":
             n_kernels += 1
             kind = "xla" if is_xla_kernel(name) else "op"
+            by_kind[kind] += 1
             busy[kind] += dur
             top[f"{kind}: {name[:60]}"] += dur
         elif cat in ("gpu_memcpy", "gpu_memset"):
@@ -94,7 +96,8 @@ def profile(step, sync, steps: int) -> dict:
             n_sync += 1
             wait += dur
     return {"wall": wall / steps, "busy": {k: v / steps for k, v in busy.items()},
-            "kernels": n_kernels / steps, "syncs": n_sync / steps, "wait": wait / steps,
+            "kernels": n_kernels / steps, "kernels_op": by_kind["op"] / steps, "kernels_xla": by_kind["xla"] / steps,
+            "syncs": n_sync / steps, "wait": wait / steps,
             "top": [(k, v / steps) for k, v in top.most_common(4)]}
 
 
