@@ -11,7 +11,6 @@ and raise under `call_path="ffi"`.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -20,7 +19,7 @@ from typing import Any
 import jax
 import torch
 
-from .graph_table import GRAPH_CAP, TOKEN_DTYPE, TOKEN_SHAPE
+from .graph_table import GRAPH_CAP, TOKEN_DTYPE, TOKEN_SHAPE, GradCalls
 from .op_binding import KernelError, OpBinding, _Call
 from .shape_probe import _is_inexact
 
@@ -120,16 +119,6 @@ def forward(
     n_ret = binding.n_returns
     aliases = {array_pos.index(i): n_ret + j for j, i in enumerate(mutated_pos)}
     return ext.call(plan, specs, aliases), "ffi"
-
-
-@dataclasses.dataclass(frozen=True)
-class GradCalls:
-    """The FFI path's differentiated forward and backward of one call, and its kept-graph count."""
-
-    forward: Callable[..., Any]  # (*arrays) -> (*results, token)
-    backward: Callable[..., Any]  # (*saved arrays, token, *cotangents) -> gradients of the inexact arrays
-    kept: Callable[[], int]
-    token_reads: Callable[[], int]
 
 
 def grad_calls(

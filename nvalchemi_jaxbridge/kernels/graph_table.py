@@ -33,9 +33,11 @@ run by another program than its forward, for example).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import secrets
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -82,3 +84,14 @@ class GraphTable:
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradCalls:
+    """A differentiated forward that keeps its torch graph, the backward that takes it, and their counts
+    (on either call path, for one set of differentiated arrays)."""
+
+    forward: Callable[..., Any]  # (*arrays) -> (*results, token)
+    backward: Callable[..., Any]  # (*saved arrays, token, *cotangents) -> gradients of the differentiated arrays
+    kept: Callable[[], int]  # graphs held for backwards to come
+    token_reads: Callable[[], int]  # backwards that read their token back from the device

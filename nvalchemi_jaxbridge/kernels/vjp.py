@@ -22,7 +22,6 @@ Inside `shard_map(check_vma=True)` the varying-axes typing that
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,7 +33,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.experimental.buffer_callback import buffer_callback
 
 from . import callback_path
-from .graph_table import GraphTable
+from .graph_table import GradCalls, GraphTable
 from .op_binding import KernelError, OpBinding, _Call
 from .shape_probe import _is_inexact, fake_run
 
@@ -121,16 +120,6 @@ class _Residuals:
         return cls(children[0], children[1], diff)
 
 
-@dataclasses.dataclass(frozen=True)
-class _GradPair:
-    """The differentiated forward and the backward of one set of differentiated arrays."""
-
-    forward: Callable[..., Any]  # (*arrays) -> (*results, token)
-    backward: Callable[..., Any]  # (*saved arrays, token, *cotangents) -> gradients of the differentiated arrays
-    kept: Callable[[], int]
-    token_reads: Callable[[], int]
-
-
 def _zeros_for(ct: Any, axes: frozenset[str]) -> jax.Array:
     """A cotangent as an array: a symbolic zero made a zero array, varying like the call."""
     if isinstance(ct, SymbolicZero):
@@ -160,7 +149,7 @@ def custom_vjp(
         fwd_cb: the forward on the call's path, returning every result.
         avals: the shapes and dtypes of the call's arrays.
         ffi_grads: where the forward takes the FFI path, the FFI path's differentiated forward and
-            backward of a set of differentiated arrays (`ffi_path.GradCalls`, or None to use the
+            backward of a set of differentiated arrays (a `GradCalls`, or None to use the
             callback path's for that set); else the callback path's are used.
         check_grad: run `check_differentiable` when the forward is traced for a VJP.
 
@@ -172,21 +161,21 @@ def custom_vjp(
     sel_inexact = tuple(j for j, s in enumerate(selected) if _is_inexact(call.result_specs[s].dtype))
     dtypes = [a.dtype for a in avals]
     inexact = tuple(k for k, d in enumerate(dtypes) if _is_inexact(d))
-    pairs: dict[tuple[int, ...], _GradPair] = {}
+    pairs: dict[tuple[int, ...], GradCalls] = {}
     lock = threading.Lock()
 
-    def make_pair(diff: tuple[int, ...]) -> _GradPair:
+    def make_pair(diff: tuple[int, ...]) -> GradCalls:
         g = ffi_grads(diff) if ffi_grads is not None else None
         if g is not None:
-            return _GradPair(g.forward, g.backward, g.kept, g.token_reads)
+            return g
         table = GraphTable()
         shapes = tuple(jax.ShapeDtypeStruct(tuple(avals[k].shape), avals[k].dtype) for k in diff)
-        return _GradPair(
+        return GradCalls(
             callback_path.forward_keeping(binding, call, diff, sel_inexact, table),
             buffer_callback(callback_path.backward_body(binding, call, diff, sel_inexact, table), shapes),
             table.__len__, lambda: table.token_reads)
 
-    def pair_for(diff: tuple[int, ...]) -> _GradPair:
+    def pair_for(diff: tuple[int, ...]) -> GradCalls:
         with lock:
             if diff not in pairs:
                 pairs[diff] = make_pair(diff)
