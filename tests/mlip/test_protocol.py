@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nvalchemi_jaxbridge.mlip import BlockGraph
-from tests.mlip._reference import alloy, graph
+from tests.mlip._reference import alloy, graph, reference
 
 
 def _graph(n_rows: int, n_receivers: int | None) -> BlockGraph:
@@ -71,3 +71,28 @@ def test_mace_layers_on_the_receiver_rows_alone_agree_with_every_row():
         torch.testing.assert_close(e_part[:r], e_full[:r], rtol=1e-12, atol=1e-12)
         assert not h_part[r:].any() and not e_part[r:].any()
         assert e_full[:r].abs().sum() > 0
+
+
+def test_stages_differentiate_positions_and_features_only():
+    """Under jax.grad the stages' torch graphs have the positions and node features as leaves, never the
+    node attributes or edge shifts (nothing reads their gradients); forces and stress still match."""
+    from nvalchemi_jaxbridge.mlip import MPNN, DistributedMLIP, MPNNWrapper
+
+    seen: list[tuple[bool, bool, bool, bool]] = []
+
+    class Recording(MPNNWrapper):
+        def interaction(self, i, g, h):
+            if torch.is_grad_enabled():  # the differentiated runs (not the shape probes)
+                seen.append((g.positions.requires_grad, h.requires_grad, g.node_attrs.requires_grad,
+                             g.shifts.requires_grad))
+            return super().interaction(i, g, h)
+
+    model = MPNN([29, 79], cutoff=4.0)
+    atoms = alloy(reps=(3, 3, 3), seed=5)
+    args = (atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
+    wrapper = Recording(model)
+    got = DistributedMLIP(wrapper, n_devices=2).evaluate(*args)
+    want = reference(model, atoms, model.cutoff, wrapper.node_attrs(atoms.numbers))  # one device, torch autograd
+    assert set(seen) == {(True, True, False, False)}, seen
+    for key in ("energy", "forces", "stress"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-10, atol=1e-10)
