@@ -233,7 +233,7 @@ def scatter_probe(dev: Any, dtype: Any, n_rows: int, n_real: int, n_total: int, 
 def call_paths(bridge: Any) -> str:
     """Forward call path of every stage op so far (the backward follows the forward's path)."""
     got: dict[str, str] = {}
-    for ops in bridge.stages._sets.values():
+    for ops in bridge.stages.defined():
         for name, k in ops.named():
             if paths := k.paths_taken():
                 got[name] = "/".join(paths)

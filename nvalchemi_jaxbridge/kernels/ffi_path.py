@@ -122,22 +122,20 @@ def forward(
 
 
 def grad_calls(
-    binding: OpBinding, call_path: str, call: _Call, arrays: Sequence[Any], diff: tuple[int, ...] | None = None
+    binding: OpBinding, call_path: str, call: _Call, arrays: Sequence[Any], diff: tuple[int, ...]
 ) -> tuple[GradCalls | None, str]:
     """The FFI forward-keeping-its-graph and backward of a call whose forward takes the FFI path, and "ffi".
 
     The forward runs the op under autograd and keeps its graph in its plan's
     table in C++ (at most `GRAPH_CAP`); the backward takes it by where its token
     was written (same run and device, same buffer) or by the token's value, or
-    re-runs the op where it is gone. The differentiated inputs are the arrays `diff`
-    (default: every inexact one), the cotangents those of the inexact selected results
+    re-runs the op where it is gone. The differentiated inputs are the (inexact) arrays
+    `diff`, the cotangents those of the inexact selected results
     (what `vjp.custom_vjp` passes). (None, "ffi") when no gradient flows (no call at
     all); (None, "callback (<why>)") where a plan is refused under call_path="auto".
     """
     from .ffi import plans, target
 
-    if diff is None:
-        diff = tuple(k for k, a in enumerate(arrays) if _is_inexact(a.dtype))
     outputs = tuple(s for s in call.selected if _is_inexact(call.result_specs[s].dtype))
     if not diff or not outputs:
         return None, "ffi"

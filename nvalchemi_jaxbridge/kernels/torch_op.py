@@ -59,8 +59,8 @@ from .ffi_path import ENV_CALL_PATH as ENV_CALL_PATH
 from .op_binding import KernelError as KernelError
 from .op_binding import OpBinding, _Call
 from .op_binding import _as_overload as _as_overload  # kernels/resolve.py
+from .shape_probe import _is_inexact, result_specs
 from .shape_probe import jax_dtype as jax_dtype
-from .shape_probe import result_specs
 from .shape_probe import torch_dtype as torch_dtype
 from .vjp import NotDifferentiableError as NotDifferentiableError
 from .vjp import _vary, _vma
@@ -176,18 +176,20 @@ class TorchOpKernel:
     def kept_graphs(self) -> int:
         """How many torch autograd graphs this kernel holds for backwards still to run (at most
         `graph_table.GRAPH_CAP` per compiled call; see `vjp`)."""
-        with self._lock:
-            calls = list(self._cache.values())
-        return sum(c.kept() for c in calls)
+        return self._total(lambda c: c.kept())
 
     def token_reads(self) -> int:
         """How many backwards so far read their torch graph's token back from the device (a stream
         synchronisation each on a GPU): every backward on the callback path; on the FFI path only
         those that did not find the graph by where its token was written (see `graph_table`), counted
         per plan, which every kernel of the same op and static arguments shares."""
+        return self._total(lambda c: c.token_reads())
+
+    def _total(self, count: Any) -> int:
+        """`count(call)` summed over the calls prepared so far."""
         with self._lock:
             calls = list(self._cache.values())
-        return sum(c.token_reads() for c in calls)
+        return sum(count(c) for c in calls)
 
     def paths_taken(self) -> tuple[str, ...]:
         """The distinct forward paths of the calls prepared so far, e.g. `("ffi",)` (for run reports)."""
@@ -227,10 +229,12 @@ class TorchOpKernel:
             fwd = callback_path.forward(binding, statics, array_pos, mutated_pos, specs)
         call = _Call(array_pos, mutated_pos, statics, binding.n_returns, specs, binding.selected, fn=None, path=path)  # type: ignore[arg-type]
         ffi_grads, bwd_path = None, path
-        if path == "ffi":  # the plans of every inexact array now, for the path; other sets when traced
-            _, bwd_path = ffi_path.grad_calls(binding, self.call_path, call, arrays)
+        if path == "ffi":  # the plans of every inexact array now (they decide the path); other sets when traced
+            every = tuple(k for k, a in enumerate(arrays) if _is_inexact(a.dtype))
+            full, bwd_path = ffi_path.grad_calls(binding, self.call_path, call, arrays, every)
             if bwd_path == "ffi":
-                ffi_grads = lambda diff: ffi_path.grad_calls(binding, self.call_path, call, arrays, diff)[0]  # noqa: E731
+                ffi_grads = lambda diff: (  # noqa: E731
+                    full if diff == every else ffi_path.grad_calls(binding, self.call_path, call, arrays, diff)[0])
         avals = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in arrays]
         fn, kept, token_reads = vjp.custom_vjp(binding, call, fwd, avals, ffi_grads, check_grad=self.check_grad)
         return dataclasses.replace(call, fn=fn, bwd_path=bwd_path, kept=kept, token_reads=token_reads)

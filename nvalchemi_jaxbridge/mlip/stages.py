@@ -88,6 +88,10 @@ class Stages:
             self._sets[n_receivers] = self._define(n_receivers)
         return self._sets[n_receivers]
 
+    def defined(self) -> list[StageOps]:
+        """The op sets made so far (for reports)."""
+        return list(self._sets.values())
+
     def _define(self, n_receivers: int | None) -> StageOps:
         wrapper, n, call_path = self.wrapper, self.n_features, self.call_path
         name = wrapper.name

@@ -83,9 +83,9 @@ class GraphTable {
 
   // The graph of a token, removed from the table; nullopt when it is not (or no longer) here.
   std::optional<Graph> take(int32_t salt, int32_t serial) {
-    if (salt != salt_) return std::nullopt;
     std::lock_guard<std::mutex> lock(mu_);
     ++token_reads_;
+    if (salt != salt_) return std::nullopt;
     auto it = where_.find(serial);
     if (it == where_.end()) return std::nullopt;
     return pop(it);
