@@ -132,6 +132,25 @@ def time_calls(fn: Callable[[], Any], *, warmup: int, iters: int, sync: Callable
     return out
 
 
+def time_interleaved(runs: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]], *, warmup: int,
+                     iters: int) -> dict[str, list[float]]:
+    """Wall seconds per call of each `(fn, sync)` in `runs`, the runs taking turns call by call.
+
+    One call of each run per round, so a slow stretch of a noisy machine falls on every run
+    alike and the ratios of the medians are comparable (separate blocks of calls are not).
+    """
+    for _ in range(warmup):
+        for fn, sync in runs.values():
+            sync(fn())
+    out: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(iters):
+        for name, (fn, sync) in runs.items():
+            t0 = time.perf_counter()
+            sync(fn())
+            out[name].append(time.perf_counter() - t0)
+    return out
+
+
 def time_jax(fn: Callable[[], Any], *, warmup: int, iters: int) -> list[float]:
     """Wall seconds per call of a JAX function, `block_until_ready` after each call."""
     import jax

@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda", 0) if platform == "gpu" else torch.device("cpu")
     tdt = getattr(torch, a.dtype)
     settings = {"dtype": a.dtype, "graph": f"{NEIGHBOURS} edges per atom, LJ energy summed over edges",
-                "timing": f"median of {iters} calls after {warmup} warm-up, synchronised after each (wall clock)",
+                "timing": (f"median of {iters} calls after {warmup} warm-up, synchronised after each (wall clock); "
+                           "native and the bridge's paths take turns call by call"),
                 "label": a.label or "-"}
     rep = cm.Report("grad_through_op", "Energy + forces through a torch function: bridge vs native autograd",
                     a.out, cm.context(platform), settings)
@@ -108,30 +109,32 @@ def main(argv: list[str] | None = None) -> int:
                 (g,) = torch.autograd.grad(e, x)
                 return e, g
 
-            wall, ev = cm.time_torch(native, warmup=warmup, iters=iters, device=dev)
-            t_native = cm.med(wall)  # as the bridge is timed: the call and a synchronisation
-            counter[0] = 0
-            e_ref, g_ref = native()
-            f_ref = -g_ref.detach().cpu().numpy()
-            t_cell = cm.ms(t_native) + (f" (events {cm.ms(cm.med(ev))})" if ev else "")
-            rep.row(rows, [a.label or "-", n, len(edges), "native", counter[0], t_cell, "1", "-", "-"])
             torch_sync = (lambda _: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda _: None)
-            profiled = [("native", native, torch_sync)]
+            runs = {"native": (native, torch_sync)}
             x_j = jnp.asarray(pos, dtype=a.dtype)
             e_j = jnp.asarray(edges.astype(np.int32))
+            kernels = {}
             for path in [s for s in a.paths.split(",") if s]:
                 kernel = torch_function(fn, 2, 1, label=f"lj_edges_{path}", call_path=path)
                 vg = jax.jit(jax.value_and_grad(lambda x, ed, k=kernel: k(x, ed)[0]))
-                t = cm.med(cm.time_jax(lambda: vg(x_j, e_j), warmup=warmup, iters=iters))
+                kernels[f"bridge ({path})"] = (kernel, vg)
+                runs[f"bridge ({path})"] = (lambda vg=vg: vg(x_j, e_j), jax.block_until_ready)
+            times = {k: cm.med(v) for k, v in cm.time_interleaved(runs, warmup=warmup, iters=iters).items()}
+            t_native = times["native"]
+            counter[0] = 0
+            e_ref, g_ref = native()
+            f_ref = -g_ref.detach().cpu().numpy()
+            rep.row(rows, [a.label or "-", n, len(edges), "native", counter[0], cm.ms(t_native), "1", "-", "-"])
+            for run, (kernel, vg) in kernels.items():
+                t = times[run]
                 counter[0] = 0
                 reads = kernel.token_reads()
                 _, g = jax.block_until_ready(vg(x_j, e_j))
                 reads = kernel.token_reads() - reads
                 err = float(np.abs(-np.asarray(g) - f_ref).max() / max(np.abs(f_ref).max(), 1e-30))
-                rep.row(rows, [a.label or "-", n, len(edges), f"bridge ({path})", counter[0], cm.ms(t),
+                rep.row(rows, [a.label or "-", n, len(edges), run, counter[0], cm.ms(t),
                                f"{t_native / t:.2f}x", reads, f"{err:.1e}"])
-                if prof_rows is not None:
-                    profiled.append((f"bridge ({path})", lambda vg=vg: vg(x_j, e_j), jax.block_until_ready))
+            profiled = [(run, fn_, sync) for run, (fn_, sync) in runs.items()]
             for run, call, done in profiled if prof_rows is not None else ():
                 pr = profile_calls(call, done, 30)
                 b = pr["busy"]
@@ -140,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                                     f"{pr['kernels_op']:.0f} / {pr['kernels_xla']:.0f}",
                                     f"{pr['syncs']:.1f} ({cm.ms(pr['wait'])})"])
     rep.note("forwards per E+F: how many times the energy function ran for one energy + forces call "
-             "(native torch: once). Both sides are timed by wall clock around the call and a synchronisation "
-             "(native's CUDA-event time beside it). bridge/native > 1 means the bridge is faster. token reads: "
+             "(native torch: once). Both sides are timed by wall clock around the call and a synchronisation, "
+             "taking turns call by call. bridge/native > 1 means the bridge is faster. token reads: "
              "backwards that read their graph's token back from the device (a stream synchronisation each "
              "on a GPU).")
     return rep.finish()

@@ -259,7 +259,9 @@ def backward_body(
         live = [(r, buffer_to_torch(ins[n_arrays + 1 + c])) for c, r in enumerate(outputs) if r is not None]
         grads: Sequence[Any] = [None] * len(leaves)
         if live:
-            grads = torch.autograd.grad([r for r, _ in live], leaves, [c for _, c in live], allow_unused=True)
+            # on this thread (XLA's, on its stream), not torch's per-device autograd thread (see torch_call.cc)
+            with torch.autograd.set_multithreading_enabled(False):
+                grads = torch.autograd.grad([r for r, _ in live], leaves, [c for _, c in live], allow_unused=True)
         del kept, leaves, outputs, live  # the graph goes now, not with the frame
         for b, g in zip(outs, grads):
             o = buffer_to_torch(b)
