@@ -29,8 +29,13 @@ from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, node_energies
 
 def block_graph(positions: torch.Tensor, node_attrs: torch.Tensor, edges: torch.Tensor,
                 shifts: torch.Tensor, n_receivers: int | None = None) -> BlockGraph:
-    """The `BlockGraph` of a stage's four graph arrays (edges `(E, 2)` -> `(2, E)` int64)."""
-    return BlockGraph(positions, node_attrs, edges.to(torch.int64).t(), shifts, n_receivers)
+    """The `BlockGraph` of a stage's four graph arrays (edges `(E, 2)` -> `(2, E)` int64, contiguous).
+
+    Contiguous, as a model's own `edge_index` is: gathers and scatters on a strided index
+    row leave torch's vectorised kernels (MACE at 10^4 atoms on an H200: +4 ms per E+F).
+    """
+    return BlockGraph(positions, node_attrs, edges.t().to(torch.int64, memory_format=torch.contiguous_format),
+                      shifts, n_receivers)
 
 
 def _n_features(wrapper: MessagePassingWrapper, device: torch.device) -> int:

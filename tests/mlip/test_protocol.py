@@ -32,6 +32,19 @@ def test_to_rows_of_the_receiver_slice_keeps_the_receivers_and_zeroes_the_rest(n
     assert torch.equal(y[:r], x[:r]) and not y[r:].any()
 
 
+@hypothesis.settings(max_examples=30, deadline=None, derandomize=True)
+@hypothesis.given(n_edges=st.integers(0, 40), seed=st.integers(0, 99))
+def test_a_stage_sees_its_edges_as_contiguous_sender_and_receiver_rows(n_edges, seed):
+    from nvalchemi_jaxbridge.mlip.stages import block_graph
+
+    edges = torch.from_numpy(np.random.default_rng(seed).integers(0, 50, size=(n_edges, 2)).astype(np.int32))
+    f = torch.float64
+    g = block_graph(torch.zeros((50, 3), dtype=f), torch.zeros((50, 2), dtype=f), edges, torch.zeros((n_edges, 3), dtype=f))
+    assert g.edge_index.dtype == torch.int64 and g.edge_index.shape == (2, n_edges)
+    assert g.senders.is_contiguous() and g.receivers.is_contiguous()  # torch's vectorised gathers need this
+    assert g.senders.tolist() == edges[:, 0].tolist() and g.receivers.tolist() == edges[:, 1].tolist()
+
+
 def test_every_row_receives_without_a_count():
     g = _graph(7, None)
     x = torch.arange(7.0)
