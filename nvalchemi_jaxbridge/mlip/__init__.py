@@ -12,6 +12,7 @@ from .mpnn import MPNN as MPNN
 from .mpnn import MPNNWrapper as MPNNWrapper
 from .protocol import BlockGraph as BlockGraph
 from .protocol import MessagePassingWrapper as MessagePassingWrapper
+from .protocol import shared_edge_features as shared_edge_features
 from .specs import RunSettings as RunSettings
 from .torch_model import TorchDistributedMLIP as TorchDistributedMLIP
 from .specs import default_spec as default_spec

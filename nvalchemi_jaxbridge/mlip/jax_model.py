@@ -268,13 +268,14 @@ class DistributedMLIP:
             if deep:
                 node_e = st.whole(*graph)
             else:
+                ef = st.edge_features(*graph)  # once, for every layer
                 h = st.embed(*graph)
                 h = h if isinstance(h, tuple) else (h,)
                 acc = None
                 for i, op in enumerate(st.interactions):
                     if i > 0:
                         h = tuple(between_layers(x, t, axis, policy) for x in h)
-                    out = op(*graph, *h)
+                    out = op(*graph, *ef, *h)
                     h, e = tuple(out[:-1]), out[-1]
                     acc = e if acc is None else acc + e
                 node_e = st.readout(*graph, acc)

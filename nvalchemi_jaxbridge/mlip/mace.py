@@ -1,9 +1,10 @@
 """MACE (`mace-torch`, an optional dependency) as a `MessagePassingWrapper`, and a seeded random model.
 
 The stages call MACE's own submodules in the order its `forward` does (the
-model's source is never edited): per layer, the edge features (spherical
-harmonics and radial embedding) from the block's edge vectors, the interaction
-block, the product basis and the readout; then the E0 terms and the scale/shift.
+model's source is never edited): the edge features (spherical harmonics and
+radial embedding) from the block's edge vectors, once for all layers
+(`edge_features`); per layer, the interaction block, the product basis and the
+readout; then the E0 terms and the scale/shift.
 Inside an interaction the only neighbour access is `node_feats[sender]` and a
 scatter onto receivers, so refreshing `node_feats` before layers 1.. is all the
 exchange MACE needs; the product basis and the readout run on the receiver rows
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .protocol import BlockGraph, MessagePassingWrapper, numpy_dtype, one_hot
+from .protocol import BlockGraph, MessagePassingWrapper, numpy_dtype, one_hot, shared_edge_features
 
 
 def _mace() -> Any:
@@ -92,12 +93,20 @@ class MACEWrapper(MessagePassingWrapper):
     def embed(self, g: BlockGraph) -> torch.Tensor:
         return self.model.node_embedding(g.node_attrs)
 
-    def interaction(self, i: int, g: BlockGraph, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def edge_features(self, g: BlockGraph) -> tuple[torch.Tensor, ...]:
+        """The edges' spherical harmonics and radial basis (and the cutoff envelope, where the
+        model applies it in its layers): what MACE computes once per forward for all its layers."""
         m = self.model
         vectors = g.edge_vectors()
         lengths = torch.linalg.vector_norm(vectors, dim=1, keepdim=True)
         edge_attrs = m.spherical_harmonics(vectors)
         edge_feats, cutoff = m.radial_embedding(lengths, g.node_attrs, g.edge_index, m.atomic_numbers)
+        return (edge_attrs, edge_feats) if cutoff is None else (edge_attrs, edge_feats, cutoff)
+
+    def interaction(self, i: int, g: BlockGraph, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.model
+        edge_attrs, edge_feats, *envelope = shared_edge_features(self, g)
+        cutoff = envelope[0] if envelope else None
         h, sc = m.interactions[i](
             node_attrs=g.node_attrs, node_feats=h, edge_attrs=edge_attrs, edge_feats=edge_feats,
             edge_index=g.edge_index, cutoff=cutoff, first_layer=(i == 0), lammps_class=None, lammps_natoms=(0, 0))

@@ -4,11 +4,19 @@ A wrapper tells the model level four things about a torch model: its cutoff,
 how many interaction layers it has, what per-atom inputs it reads (`node_attrs`),
 and how to run it in stages on one device's block:
 
+    g.edge_features = edge_features(g)    # optional: per-edge tensors every layer reads, once
     h = embed(g)                          # node features on every row of the block
     for i in range(n_layers):             # ghost rows of h refreshed before every layer i > 0
         h, e_i = interaction(i, g, h)     # new features and this layer's node-energy term,
                                           # valid on the receiver rows (the owned atoms)
     node_energy = node_energies(g, e_0 + ... + e_{L-1})
+
+`edge_features` (default: none) is for what a model computes from the edge vectors
+alone and shares between its layers (MACE: the edges' spherical harmonics and radial
+basis): the driver computes it once per evaluation and hands it to every layer as
+`g.edge_features`, where a model run in stages would otherwise compute it in each
+layer (forward and backward). A layer that finds `g.edge_features` None computes it
+itself (`shared_edge_features`).
 
 Only the first `g.n_receivers` rows receive messages (the owned atoms, with
 per-layer exchange; every row with the deep halo). What a layer computes node by
@@ -51,6 +59,8 @@ class BlockGraph:
         edge_index: `(2, E)` int64; row 0 senders, row 1 receivers.
         shifts: `(E, 3)`; zero for real edges, a long vector for padding edges.
         n_receivers: rows `[0, n_receivers)` are the only receivers of edges (None: every row).
+        edge_features: the wrapper's `edge_features(g)` of this block, computed once by the
+            driver for all layers (None: not computed; a layer then computes what it needs).
     """
 
     positions: torch.Tensor
@@ -58,6 +68,7 @@ class BlockGraph:
     edge_index: torch.Tensor
     shifts: torch.Tensor
     n_receivers: int | None = None
+    edge_features: tuple[torch.Tensor, ...] | None = None
 
     def __post_init__(self) -> None:
         n = self.n_receivers
@@ -141,6 +152,15 @@ class MessagePassingWrapper(abc.ABC):
         """`(rows,)` node energies from the summed layer terms (add per-atom shifts here)."""
         return layer_energy
 
+    def edge_features(self, g: BlockGraph) -> tuple[torch.Tensor, ...] | None:
+        """Per-edge tensors `(E, ...)` every layer reads, from `g`'s positions, attributes and edges.
+
+        Default None: the layers compute their edge quantities themselves. A wrapper that
+        returns them reads them in `interaction` as `shared_edge_features(self, g)`; the
+        drivers then compute them once per evaluation instead of once per layer.
+        """
+        return None
+
     def distribution_spec(self) -> Any:
         """The model's `MLIPSpec` (default: per-layer halo exchange, forces from node energies,
         stress by strain)."""
@@ -149,8 +169,28 @@ class MessagePassingWrapper(abc.ABC):
         return default_spec()
 
 
+def with_edge_features(wrapper: MessagePassingWrapper, g: BlockGraph) -> BlockGraph:
+    """`g` holding `wrapper.edge_features(g)` for its layers (unchanged if the wrapper shares none)."""
+    feats = wrapper.edge_features(g)
+    return g if feats is None else dataclasses.replace(g, edge_features=tuple(feats))
+
+
+def shared_edge_features(wrapper: MessagePassingWrapper, g: BlockGraph) -> tuple[torch.Tensor, ...]:
+    """The edge features a driver computed for `g`, or (none there) `wrapper.edge_features(g)` now."""
+    if g.edge_features is not None:
+        return g.edge_features
+    feats = wrapper.edge_features(g)
+    if feats is None:
+        raise TypeError(
+            f"{wrapper.name}: shared_edge_features was called but the wrapper's edge_features returns None; "
+            "implement edge_features (the per-edge tensors its layers share) or compute them in interaction."
+        )
+    return tuple(feats)
+
+
 def node_energies_of(wrapper: MessagePassingWrapper, g: BlockGraph) -> torch.Tensor:
     """`(rows,)` node energies of the whole model on `g` in one go: every stage in order, no exchange."""
+    g = with_edge_features(wrapper, g)
     h = wrapper.embed(g)
     total = torch.zeros(g.n_rows, dtype=g.positions.dtype, device=g.positions.device)
     for i in range(wrapper.n_layers):

@@ -6,10 +6,15 @@ then the stage's own node tensors:
 
 | stage | inputs after the graph | outputs |
 |---|---|---|
+| `edges` (if the wrapper shares edge features) | - | the wrapper's `edge_features`, per-edge tensors |
 | `embed` | - | the node features `h` (one tensor or several) |
-| `interaction[i]` | `h` | the new `h`, then the layer's `(rows,)` energy term |
+| `interaction[i]` | the edge features (if any), then `h` | the new `h`, then the layer's `(rows,)` energy term |
 | `readout` | the summed energy terms `(rows,)` | `(rows,)` node energies |
 | `whole` (deep halo) | - | `(rows,)` node energies: every stage in one op, no exchange |
+
+The edge features cross from one op to the next as JAX arrays, so they are
+computed (and differentiated) once per evaluation, as in the model's own forward,
+instead of once per layer.
 
 The graph's receiver count (`BlockGraph.n_receivers`) is fixed per op set, as a
 shape is: `Stages.for_receivers` defines one set per count.
@@ -28,14 +33,15 @@ from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, node_energies
 
 
 def block_graph(positions: torch.Tensor, node_attrs: torch.Tensor, edges: torch.Tensor,
-                shifts: torch.Tensor, n_receivers: int | None = None) -> BlockGraph:
+                shifts: torch.Tensor, n_receivers: int | None = None,
+                edge_features: tuple[torch.Tensor, ...] | None = None) -> BlockGraph:
     """The `BlockGraph` of a stage's four graph arrays (edges `(E, 2)` -> `(2, E)` int64, contiguous).
 
     Contiguous, as a model's own `edge_index` is: gathers and scatters on a strided index
     row leave torch's vectorised kernels (MACE at 10^4 atoms on an H200: +4 ms per E+F).
     """
     return BlockGraph(positions, node_attrs, edges.t().to(torch.int64, memory_format=torch.contiguous_format),
-                      shifts, n_receivers)
+                      shifts, n_receivers, edge_features)
 
 
 def _n_features(wrapper: MessagePassingWrapper, device: torch.device) -> int:
@@ -50,10 +56,36 @@ def _n_features(wrapper: MessagePassingWrapper, device: torch.device) -> int:
         return len(as_tuple(wrapper.embed(g)))
 
 
+def _n_edge_features(wrapper: MessagePassingWrapper, device: torch.device) -> int:
+    """How many per-edge tensors `wrapper.edge_features` returns (0: none), run on a one-edge block.
+
+    A real run on `device` (not fake tensors: TorchScript'ed model code may not run on
+    those on a GPU), which also checks that each result is a per-edge tensor.
+    """
+    n_attrs = wrapper.node_attrs(np.zeros(0, dtype=np.int64)).shape[1]
+    f = {"dtype": wrapper.dtype, "device": device}
+    g = BlockGraph(torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.5, 0.25]], **f), torch.zeros((2, n_attrs), **f),
+                   torch.tensor([[0], [1]], dtype=torch.int64, device=device), torch.zeros((1, 3), **f))
+    with torch.no_grad():
+        feats = wrapper.edge_features(g)
+    if feats is None:
+        return 0
+    feats = tuple(feats) if isinstance(feats, (tuple, list)) else (feats,)
+    bad = [k for k, t in enumerate(feats) if not isinstance(t, torch.Tensor) or t.ndim < 1 or t.shape[0] != 1]
+    if not feats or bad:
+        raise TypeError(
+            f"{wrapper.name}: edge_features must return a non-empty tuple of per-edge tensors (E, ...) or None; "
+            f"on a one-edge block its results {bad} are not (E, ...) tensors. Return only tensors with one row "
+            "per edge (move node-wise work into the layers)."
+        )
+    return len(feats)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class StageOps:
     """The stage ops of one wrapper for blocks of one receiver count (JAX callables on local arrays)."""
 
+    edges: Any  # None: the wrapper shares no edge features
     embed: Any
     interactions: tuple[Any, ...]
     readout: Any
@@ -61,8 +93,13 @@ class StageOps:
 
     def named(self) -> list[tuple[str, Any]]:
         """`(name, op)` of the staged ops in program order (`whole` left out)."""
-        return [("embed", self.embed), *((f"interaction_{i}", k) for i, k in enumerate(self.interactions)),
+        first = [] if self.edges is None else [("edges", self.edges)]
+        return [*first, ("embed", self.embed), *((f"interaction_{i}", k) for i, k in enumerate(self.interactions)),
                 ("readout", self.readout)]
+
+    def edge_features(self, *graph: Any) -> tuple[Any, ...]:
+        """The `edges` op's results on the four graph arrays, as a tuple (empty without the op)."""
+        return () if self.edges is None else as_tuple(self.edges(*graph))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -77,6 +114,7 @@ class Stages:
     wrapper: MessagePassingWrapper
     call_path: str
     n_features: int
+    n_edge_features: int
     _sets: dict[int | None, StageOps] = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -85,7 +123,8 @@ class Stages:
 
         `device`: where the model's weights live ("cpu" or "cuda"), for the shape probes.
         """
-        return cls(wrapper, call_path, _n_features(wrapper, torch.device(device)))
+        dev = torch.device(device)
+        return cls(wrapper, call_path, _n_features(wrapper, dev), _n_edge_features(wrapper, dev))
 
     def for_receivers(self, n_receivers: int | None) -> StageOps:
         """The ops whose blocks have `n_receivers` receiver rows (None: every row), made once."""
@@ -98,18 +137,23 @@ class Stages:
         return list(self._sets.values())
 
     def _define(self, n_receivers: int | None) -> StageOps:
-        wrapper, n, call_path = self.wrapper, self.n_features, self.call_path
+        wrapper, n, n_edge, call_path = self.wrapper, self.n_features, self.n_edge_features, self.call_path
         name = wrapper.name
 
-        def graph(pos, attrs, edges, shifts) -> BlockGraph:
-            return block_graph(pos, attrs, edges, shifts, n_receivers)
+        def graph(pos, attrs, edges, shifts, edge_features=None) -> BlockGraph:
+            return block_graph(pos, attrs, edges, shifts, n_receivers, edge_features)
+
+        def edge_features(*g):
+            return tuple(as_tuple(wrapper.edge_features(graph(*g))))
 
         def embed(*g):
             return as_tuple(wrapper.embed(graph(*g)))
 
         def interaction(i: int):
-            def fn(pos, attrs, edges, shifts, *h):
-                h_new, e = wrapper.interaction(i, graph(pos, attrs, edges, shifts), h if n > 1 else h[0])
+            def fn(pos, attrs, edges, shifts, *rest):
+                ef, h = rest[:n_edge], rest[n_edge:]
+                g = graph(pos, attrs, edges, shifts, ef if n_edge else None)
+                h_new, e = wrapper.interaction(i, g, h if n > 1 else h[0])
                 return (*as_tuple(h_new), e)
             return fn
 
@@ -120,9 +164,12 @@ class Stages:
             return node_energies_of(wrapper, graph(*g))
 
         return StageOps(
+            edges=torch_function(edge_features, 4, n_edge, label=f"{name}_edges", call_path=call_path)
+            if n_edge else None,
             embed=torch_function(embed, 4, n, label=f"{name}_embed", call_path=call_path),
             interactions=tuple(
-                torch_function(interaction(i), 4 + n, n + 1, label=f"{name}_interaction_{i}", call_path=call_path)
+                torch_function(interaction(i), 4 + n_edge + n, n + 1, label=f"{name}_interaction_{i}",
+                               call_path=call_path)
                 for i in range(wrapper.n_layers)),
             readout=torch_function(readout, 5, 1, label=f"{name}_readout", call_path=call_path),
             whole=torch_function(whole, 4, 1, label=f"{name}_whole", call_path=call_path),

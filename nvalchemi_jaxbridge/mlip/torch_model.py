@@ -26,7 +26,7 @@ from ..spec import AdapterRegistry, ModuleForwardAdapter
 from ..torch import functions as F
 from ..torch.layer_exchange import fold_halo, refresh_halo
 from .edges import EdgePlan
-from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, like, numpy_dtype
+from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, like, numpy_dtype, with_edge_features
 from .specs import RunSettings, as_mlip_spec, cell_volume, check_model, run_settings, stress_wanted
 
 
@@ -50,6 +50,7 @@ class StagedModel(torch.nn.Module):
         self.layers = torch.nn.ModuleList(_Layer(wrapper, i) for i in range(wrapper.n_layers))
 
     def forward(self, g: BlockGraph) -> torch.Tensor:
+        g = with_edge_features(self.wrapper, g)  # once, for every layer
         h = self.wrapper.embed(g)
         total = None
         for layer in self.layers:

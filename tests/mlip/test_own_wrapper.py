@@ -10,9 +10,11 @@ import inspect
 import math
 
 import numpy as np
+import pytest
 import torch
 
-from nvalchemi_jaxbridge.mlip import DistributedMLIP
+from nvalchemi_jaxbridge.mlip import DistributedMLIP, shared_edge_features
+from nvalchemi_jaxbridge.mlip.stages import Stages, block_graph
 from tests.mlip import cases
 from tests.mlip._reference import reference
 
@@ -86,3 +88,49 @@ def test_own_model_matches_one_device():
     assert abs(out["energy"] - want["energy"]) <= 1e-9 * abs(want["energy"])
     np.testing.assert_allclose(out["forces"], want["forces"], rtol=0, atol=1e-8)
     np.testing.assert_allclose(out["stress"], want["stress"], rtol=0, atol=1e-9)
+
+
+class SharedVectorsWrapper(FilterConvWrapper):
+    """The same model with its edge vectors shared between the layers (`edge_features`)."""
+
+    def edge_features(self, g):
+        return (g.edge_vectors(),)
+
+    def interaction(self, i, g, h):
+        (vectors,) = shared_edge_features(self, g)
+        h = self.model.conv(i, h, vectors, g.edge_index)
+        energy = h @ self.model.out if i == self.n_layers - 1 else torch.zeros_like(h[:, 0])
+        return h, energy
+
+
+def test_shared_edge_features_are_one_op_before_the_layers_and_match_one_device():
+    model = FilterConv()
+    wrapper = SharedVectorsWrapper(model, (29, 79))
+    atoms = cases.structure("small")
+    want = reference(model, atoms, model.cutoff, wrapper.node_attrs(atoms.numbers))
+    bridge = DistributedMLIP(wrapper, n_devices=2)
+    out = bridge.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
+    assert abs(out["energy"] - want["energy"]) <= 1e-9 * abs(want["energy"])
+    np.testing.assert_allclose(out["forces"], want["forces"], rtol=0, atol=1e-8)
+    np.testing.assert_allclose(out["stress"], want["stress"], rtol=0, atol=1e-9)
+    (ops,) = bridge.stages.defined()
+    assert [name for name, _ in ops.named()] == ["edges", "embed", "interaction_0", "interaction_1", "readout"]
+    assert bridge.stages.n_edge_features == 1
+    assert Stages.of(FilterConvWrapper(model, (29, 79))).n_edge_features == 0  # nothing shared: no edges op
+
+
+def test_edge_features_that_are_not_per_edge_are_refused_with_the_fix():
+    class NodeWise(FilterConvWrapper):
+        def edge_features(self, g):
+            return (g.positions,)  # one row per node, not per edge
+
+    with pytest.raises(TypeError, match=r"filterconv: edge_features must return .* per-edge tensors"):
+        Stages.of(NodeWise(FilterConv(), (29, 79)))
+
+
+def test_shared_edge_features_of_a_wrapper_that_shares_none_says_what_to_implement():
+    wrapper = FilterConvWrapper(FilterConv(), (29, 79))
+    g = block_graph(torch.zeros((2, 3), dtype=torch.float64), torch.zeros((2, 2), dtype=torch.float64),
+                    torch.tensor([[0, 1]], dtype=torch.int32), torch.zeros((1, 3), dtype=torch.float64))
+    with pytest.raises(TypeError, match="implement edge_features"):
+        shared_edge_features(wrapper, g)
