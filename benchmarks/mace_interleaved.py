@@ -1,0 +1,93 @@
+"""MACE energy + forces on one device, native and the bridge taking turns call by call (steady ratios).
+
+    PYTHONPATH=.:/tmp/site python3 benchmarks/mace_interleaved.py --out OUTDIR [--sizes 7,14]
+        [--dtypes float32,float64] [--hidden "64x0e + 64x1o"] [--rounds 15] [--label after] [--smoke]
+
+`mace_one_gpu.py` times each run in a block of its own; on a host-bound size (10^3 atoms)
+the machine's drift between blocks is as large as the difference looked for. Here the
+native call (`model(batch, compute_force=True)`) and the bridge's (`DistributedMLIP(
+MACEWrapper(model), n_devices=1, skin=0, headroom=1)`, `energy_and_gradients`) alternate,
+each followed by a synchronisation, and the table gives both medians and their ratio.
+The model and structures are mace_one_gpu.py's (random ScaleShiftMACE, TorchScript on,
+rattled fcc Cu/Au of reps^3 x 4 atoms). `--label` tags the rows, so runs of two versions
+of the package (each from its own checkout) can share one table. Every bridge result is
+checked against native (energy, forces) and a mismatch marks the row.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import _common as cm
+import numpy as np
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = cm.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--sizes", default=None, help="fcc reps per axis, comma list (default 7,14; smoke 2)")
+    p.add_argument("--dtypes", default="float32,float64")
+    p.add_argument("--hidden", default="64x0e + 64x1o", help="hidden irreps")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15, smoke 2)")
+    p.add_argument("--label", default="", help="a tag for the rows (e.g. the version measured)")
+    a = p.parse_args(argv)
+    a.hidden_given = True
+    platform = cm.setup(a.platform)
+    import jax
+    import torch
+
+    import mace_one_gpu as base
+    from nvalchemi_jaxbridge.mlip import DistributedMLIP
+    from nvalchemi_jaxbridge.mlip.mace import MACEWrapper, mace_input, random_mace
+    from tests.mlip._reference import alloy
+
+    dev = torch.device("cuda", 0) if platform == "gpu" else torch.device("cpu")
+    sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else ([2] if a.smoke else [7, 14])
+    rounds = a.rounds or (2 if a.smoke else 15)
+    cfg = base.model_config(a)
+    settings = {"model": f"random ScaleShiftMACE as mace_one_gpu.py, hidden \"{cfg['hidden_irreps']}\", TorchScript on",
+                "runs": "native: model(batch, compute_force=True); bridge: DistributedMLIP(..., n_devices=1, skin=0, "
+                        "headroom=1).energy_and_gradients (energy, forces, dE/dstrain)",
+                "timing": f"median of {rounds} rounds after 3 warm-up rounds; each round one native call then one "
+                          "bridge call, each followed by a synchronisation (wall clock)",
+                "label": a.label or "-"}
+    rep = cm.Report("mace_interleaved", "MACE energy + forces, native and bridge in turns", a.out,
+                    cm.context(platform), settings)
+    rows = rep.table("Energy + forces per call", ["label", "dtype", "atoms", "rows (owned + ghost)", "native ms",
+                                                  "bridge ms", "bridge/native", "parity (dE/E, max dF)"])
+    for dtype in [d for d in a.dtypes.split(",") if d]:
+        tdt = getattr(torch, dtype)
+        model = base.build_model(random_mace, tdt, cfg, True).to(dev)
+        bridge = DistributedMLIP(MACEWrapper(model), n_devices=1, skin=0.0, headroom=1.0)
+        for reps in sizes:
+            with rep.section(f"{dtype}/{reps}"):
+                atoms = alloy(reps=(reps,) * 3, species=base.SPECIES)
+                batch = mace_input(model, atoms, dtype=tdt, device=dev)
+                state = bridge.prepare(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
+                pos = state.cs.owned(np.asarray(atoms.positions, dtype=np.float64).astype(dtype), positions=True)
+                sync = (lambda _: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda _: None)
+                runs = {"native": (lambda: model(batch, training=False, compute_force=True), sync),
+                        "bridge": (lambda: bridge.energy_and_gradients(state, pos), jax.block_until_ready)}
+                t0 = time.perf_counter()
+                times = cm.time_interleaved(runs, warmup=3, iters=rounds)
+                nat = model(batch, training=False, compute_force=True)
+                energy, _, g_pos, _ = bridge.energy_and_gradients(state, pos)
+                f_nat = nat["forces"].detach().double().cpu().numpy()
+                f_br = -np.asarray(state.cs.to_global(g_pos), dtype=np.float64)
+                e_nat = float(nat["energy"][0])
+                de = abs(float(energy) - e_nat) / abs(e_nat)
+                df = float(np.abs(f_br - f_nat).max())
+                tol_e, tol_f = (1e-4, 1e-3) if dtype == "float32" else (1e-9, 1e-8)
+                ok = de <= tol_e and df <= tol_f
+                tn, tb = cm.med(times["native"]), cm.med(times["bridge"])
+                r = state.rows_per_device()[0]
+                rep.row(rows, [a.label or "-", dtype, len(atoms), f"{r['owned']} + {r['ghost']}", cm.ms(tn), cm.ms(tb),
+                               f"{tn / tb:.3f}x", f"{de:.1e}, {df:.1e}" + ("" if ok else " MISMATCH")])
+                if not ok:
+                    raise AssertionError(f"{len(atoms)} atoms {dtype}: bridge vs native dE/E {de:.1e}, max dF {df:.1e}")
+                rep.note(f"{dtype} {len(atoms)} atoms: {time.perf_counter() - t0:.0f} s")
+    return rep.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
