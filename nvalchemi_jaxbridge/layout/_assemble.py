@@ -65,8 +65,13 @@ def _assemble(
     ghost_request: int | None,
     pair_request: int | dict[int, int] | None,
     on_overflow: OnOverflow,
+    self_images: bool = True,
 ) -> dict:
-    """Fields of a `HaloPlan` from a `Partition`: row order, capacities, tables, parking points."""
+    """Fields of a `HaloPlan` from a `Partition`: row order, capacities, tables, parking points.
+
+    `self_images=False`: a rank's ghosts that are images of its own atoms are left out of its
+    rows (and of the messages, where they are offset 0) and listed in `own_images` instead.
+    """
     n_atoms, d = len(pos), n_devices
     owner = part.owner
     n_owned = np.bincount(owner, minlength=d).astype(np.int64)
@@ -76,8 +81,16 @@ def _assemble(
     local_index[by_rank] = np.arange(n_atoms) - starts[owner[by_rank]]
 
     ghosts, messages = [], {}  # messages[k][receiver] = (sender's owned rows, receiver's halo rows)
+    own_images = []  # per rank: (m, 4) int64 (owned row, lattice shift) of the images of its own atoms left out
     for r in range(d):
         atom, image = part.ghost_atom[r], part.ghost_image[r]
+        mine = owner[atom] == r
+        if self_images or not mine.any():
+            own_images.append(np.zeros((0, 4), dtype=np.int64))
+        else:
+            own = np.concatenate([local_index[atom[mine]][:, None], image[mine]], axis=1).astype(np.int64)
+            own_images.append(_readonly(own[np.lexsort(own.T[::-1])]))
+            atom, image = atom[~mine], image[~mine]
         src, row = owner[atom], local_index[atom]
         order = np.lexsort((image[:, 2], image[:, 1], image[:, 0], row, image.any(axis=1), src))
         atom, image, src, row = atom[order], image[order], src[order], row[order]
@@ -182,6 +195,7 @@ def _assemble(
         halo_offset=_readonly(halo_offset), owned_offset=_readonly(owned_offset),
         reference_positions=_readonly(pos.copy()), headroom=headroom, basis=_readonly(basis),
         halo_image=_readonly(halo_image), frame=_readonly(part.frame.copy()), grown=tuple(grown),
+        self_images=self_images, own_images=tuple(own_images),
     )
 
 

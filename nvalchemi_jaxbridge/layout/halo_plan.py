@@ -72,6 +72,10 @@ class HaloPlan:
         frame: `(N, 3)` int64 unwrap frame `floor(frac)` of each atom at build time (periodic
             axes; 0 elsewhere): caller position = wrapped position + `frame @ cell`.
         grown: names of capacities that `build`/`rebuild` had to enlarge beyond the requested ones.
+        self_images: whether images of a device's own atoms are ghost rows (see `build`).
+        own_images: per device, `(m, 4)` int64 rows `(owned row, lattice shift)`: the images of its own
+            atoms within reach that are not ghost rows (`self_images=False`; empty otherwise), by
+            owned row then shift.
     """
 
     n_devices: int
@@ -99,6 +103,8 @@ class HaloPlan:
     halo_image: np.ndarray
     frame: np.ndarray
     grown: tuple[str, ...] = ()
+    self_images: bool = True
+    own_images: tuple[np.ndarray, ...] = ()
 
     # ------------------------------------------------------------------ build
 
@@ -118,6 +124,7 @@ class HaloPlan:
         ghost_capacity: int | None = None,
         pair_capacities: int | Mapping[int, int] | None = None,
         on_overflow: OnOverflow = "replan",
+        self_images: bool = True,
     ) -> HaloPlan:
         """Partition `positions` over `n_devices` spatial domains and lay out their halo rows.
 
@@ -139,6 +146,11 @@ class HaloPlan:
                 named in a mapping are kept even when no longer needed (programs are reused).
             on_overflow: `"replan"` grows a fixed capacity that is too small (listed in
                 `plan.grown`); `"raise"` raises `HaloOverflowError` instead.
+            self_images: True (default): periodic images of a device's own atoms are ghost rows, as
+                an opaque kernel that finds its neighbours from positions needs. False: they are left
+                out of the rows and exchanges and listed in `plan.own_images` (owned row, lattice
+                shift), for a consumer with explicit edges that puts the shift on the edge instead
+                (the model level: one device then holds no ghost rows at all).
 
         Returns:
             The plan.
@@ -176,6 +188,8 @@ class HaloPlan:
         headroom = inputs.headroom(where, headroom)
         if on_overflow not in ("replan", "raise"):
             raise ValueError(f"{where}: on_overflow must be 'replan' or 'raise', got {on_overflow!r}.")
+        if not isinstance(self_images, (bool, np.bool_)):
+            raise TypeError(f"{where}: self_images must be True or False, got {self_images!r}.")
         inputs.check_coordinates(where, pos, cutoff + skin)  # finite, and resolvable at the cutoff scale
         basis = effective_cell(cell_arr, periodic, pos)
         if grid is None:
@@ -195,7 +209,7 @@ class HaloPlan:
         part = partition(pos, basis, periodic, grid, cutoff + skin)
         return cls(**_assemble(
             pos, cell_arr, basis, periodic, tuple(grid), cutoff, skin, n_devices, headroom,
-            part, owned_capacity, ghost_capacity, pair_request, on_overflow,
+            part, owned_capacity, ghost_capacity, pair_request, on_overflow, bool(self_images),
         ))
 
     @classmethod
@@ -237,6 +251,7 @@ class HaloPlan:
             n_devices=self.n_devices, grid=self.grid, headroom=self.headroom,
             owned_capacity=self.owned_capacity, ghost_capacity=self.ghost_capacity,
             pair_capacities=dict(zip(self.offsets, self.pair_capacities)), on_overflow=on_overflow,
+            self_images=self.self_images,
         )
         if plan.grown:
             _log.info("HaloPlan.rebuild: grew %s (programs compiled for the old capacities recompile once)",
@@ -368,6 +383,9 @@ class HaloPlan:
             f"  one exchange of {features} x {itemsize}-byte floats: {true_bytes} bytes of ghosts, "
             f"{padded_bytes} bytes sent with padding",
         ]
+        if not self.self_images:
+            lines.append(f"  images of own atoms (no rows; shifts on edges) per device: "
+                         f"{[len(o) for o in self.own_images]}")
         if unwrapped := int(np.count_nonzero(self.frame.any(axis=1))):
             lines.append(f"  atoms given outside the cell: {unwrapped} (shifted into it in the halo block)")
         if self.grown:

@@ -1,9 +1,15 @@
 """Edges of each device's block: a neighbour list with a static capacity, grown, never cut.
 
-The list is built on the host (scipy's `cKDTree`, open boundaries: periodic images
-are already ghost rows) from the plan's halo positions, with radius `cutoff +
-skin`, so it stays a superset of the pairs within `cutoff` until the plan needs
-a rebuild (an atom moved more than `skin / 2`). Inside a program the edges
+The list is built on the host (scipy's `cKDTree`, open boundaries) from the plan's
+halo positions, with radius `cutoff + skin`, so it stays a superset of the pairs
+within `cutoff` until the plan needs a rebuild (an atom moved more than `skin / 2`).
+Periodic images of other devices' atoms are ghost rows. Images of a device's own
+atoms are ghost rows too in a plan built with `self_images=True`; in one built with
+`self_images=False` (the model level's) they are no rows at all: the search places
+them as extra points, and an edge from one is an edge from its owned row with the
+image's lattice shift (`image`; `shift = -image @ basis` on the edge, as a model's
+own neighbour list gives for a periodic image). On one device the block then holds
+the owned atoms alone, as the model's own input would. Inside a program the edges
 longer than `cutoff` at the current positions are turned into padding edges
 (`active_edges`), so a model sees exactly the pairs a neighbour list at its
 cutoff would give, whatever its radial function does beyond it.
@@ -31,6 +37,10 @@ class EdgePlan:
     Attributes:
         edges: `(D, edge_capacity, 2)` int32 block rows `(sender, receiver)`; a padding
             edge joins its slot's spare row to itself, `(spare, spare)`.
+        image: `(D, edge_capacity, 3)` int32 lattice shift of each edge's sender: the sender is
+            that periodic image of its row (0 where the row itself is meant, and on padding).
+        shift: `(D, edge_capacity, 3)` float64 `-image @ basis`: the edge vector is
+            `pos[receiver] - pos[sender] + shift` (the plan's cell; strain it with the positions).
         pad_row: `(D,)` int32 the first padding row of each block (`n_owned + n_ghost`).
         spare: `(D, edge_capacity)` int32 the padding row of each edge slot, cycling over all
             padding rows of the block: a padding edge (or a real one beyond the cutoff, inside a
@@ -44,6 +54,8 @@ class EdgePlan:
     """
 
     edges: np.ndarray
+    image: np.ndarray
+    shift: np.ndarray
     pad_row: np.ndarray
     spare: np.ndarray
     n_edges: np.ndarray
@@ -94,24 +106,35 @@ class EdgePlan:
         halo = plan.to_halo(np.asarray(positions, dtype=np.float64), positions=True).reshape(d, hr, 3)
         n_pad = np.asarray(plan.n_padded)
         n_own = np.asarray(plan.n_owned)
+        own_images = plan.own_images if plan.own_images else (np.zeros((0, 4), np.int64),) * d
         per_device = []
         for dev in range(d):
-            pts = halo[dev, : n_pad[dev]]
+            n_real, imgs = int(n_pad[dev]), own_images[dev]
+            # the rows, then the images of the device's own atoms that are no rows (as extra points)
+            pts = np.concatenate([halo[dev, :n_real], halo[dev, imgs[:, 0]] + imgs[:, 1:] @ plan.basis])
             pairs = cKDTree(pts).query_pairs(reach, output_type="ndarray") if len(pts) > 1 else np.zeros((0, 2), int)
-            both = np.concatenate([pairs, pairs[:, ::-1]]).astype(np.int32)  # (sender, receiver)
-            if receivers == "owned":
-                both = both[both[:, 1] < n_own[dev]]
-            per_device.append(both[np.lexsort((both[:, 0], both[:, 1]))])
-        n_edges = np.array([len(e) for e in per_device], dtype=np.int64)
+            both = np.concatenate([pairs, pairs[:, ::-1]])  # (sender, receiver)
+            both = both[both[:, 1] < (n_own[dev] if receivers == "owned" else n_real)]  # an image never receives
+            extra = both[:, 0] >= n_real
+            image = np.zeros((len(both), 3), dtype=np.int64)
+            image[extra] = imgs[both[extra, 0] - n_real, 1:]
+            both[extra, 0] = imgs[both[extra, 0] - n_real, 0]
+            order = np.lexsort((image[:, 2], image[:, 1], image[:, 0], both[:, 0], both[:, 1]))
+            per_device.append((both[order].astype(np.int32), image[order].astype(np.int32)))
+        n_edges = np.array([len(e) for e, _ in per_device], dtype=np.int64)
         need = int(n_edges.max(initial=0))
         cap = edge_capacity if edge_capacity is not None and edge_capacity >= need else max(
             1, math.ceil(headroom * need))
         pad_row = n_pad.astype(np.int32)
         spare = (pad_row[:, None] + np.arange(cap)[None, :] % (hr - pad_row)[:, None]).astype(np.int32)
         edges = np.repeat(spare[:, :, None], 2, axis=2)
-        for dev, e in enumerate(per_device):
+        image = np.zeros((d, cap, 3), dtype=np.int32)
+        for dev, (e, im) in enumerate(per_device):
             edges[dev, : len(e)] = e
-        return cls(edges, pad_row, spare, n_edges, int(cap), float(cutoff), reach, receivers, float(headroom))
+            image[dev, : len(e)] = im
+        shift = -(image @ plan.basis)
+        return cls(edges, image, shift, pad_row, spare, n_edges, int(cap), float(cutoff), reach, receivers,
+                   float(headroom))
 
     def rebuild(self, plan: Any, positions: np.ndarray) -> EdgePlan:
         """The edges for a rebuilt plan, keeping this capacity when it suffices (grown otherwise)."""

@@ -54,6 +54,7 @@ class ModelState:
     edges: EdgePlan
     cs: Any  # CompiledSpec: the plan's tables on the mesh
     edge_table: jax.Array  # (D * edge_capacity, 2) int32, P(axis)
+    edge_shift: jax.Array  # (D * edge_capacity, 3) the edges' shift vectors (model dtype), P(axis)
     spare: jax.Array  # (D * edge_capacity,) int32 padding row of each edge slot, P(axis)
     attrs: jax.Array  # (D * owned_capacity, A) node attributes, owned storage
     numbers: np.ndarray
@@ -83,27 +84,29 @@ class _Aux:
 
 jax.tree_util.register_pytree_node(
     ModelState,
-    lambda s: ((s.cs, s.edge_table, s.spare, s.attrs), _Aux(s)),
-    lambda aux, ch: dataclasses.replace(aux.state, cs=ch[0], edge_table=ch[1], spare=ch[2], attrs=ch[3]),
+    lambda s: ((s.cs, s.edge_table, s.edge_shift, s.spare, s.attrs), _Aux(s)),
+    lambda aux, ch: dataclasses.replace(aux.state, cs=ch[0], edge_table=ch[1], edge_shift=ch[2], spare=ch[3],
+                                        attrs=ch[4]),
 )
 
 
-def active_edges(pos: jax.Array, edges: jax.Array, spare: jax.Array, cutoff: float, far: float
+def active_edges(pos: jax.Array, edges: jax.Array, shift: jax.Array, spare: jax.Array, cutoff: float, far: float
                  ) -> tuple[jax.Array, jax.Array]:
     """Edges within `cutoff` at `pos` kept, the others made padding edges; and each edge's shift.
 
     Args:
-        pos: `(rows, 3)` block positions; edges: `(E, 2)` (sender, receiver); spare: `(E,)` the
-            padding row of each edge slot (a real sender is always a lower row).
+        pos: `(rows, 3)` block positions; edges: `(E, 2)` (sender, receiver); shift: `(E, 3)` the
+            edges' shift vectors (`EdgePlan.shift`, strained as `pos` is); spare: `(E,)` the padding
+            row of each edge slot (a real sender is always a lower row).
 
     Returns:
-        `(E, 2)` int32 edges and `(E, 3)` shifts (zero for real edges, `far` along x for padding).
+        `(E, 2)` int32 edges and `(E, 3)` shifts (`shift` for kept edges, `far` along x for padding).
     """
-    p = jax.lax.stop_gradient(pos)
-    vec = p[edges[:, 1]] - p[edges[:, 0]]
+    p, s = jax.lax.stop_gradient(pos), jax.lax.stop_gradient(shift)
+    vec = p[edges[:, 1]] - p[edges[:, 0]] + s
     keep = (edges[:, 0] != spare) & (jnp.sum(vec * vec, axis=1) < cutoff * cutoff)
     out = jnp.where(keep[:, None], edges, spare[:, None])
-    shift = jnp.where(keep[:, None], jnp.zeros((), pos.dtype), jnp.asarray([far, 0.0, 0.0], pos.dtype))
+    shift = jnp.where(keep[:, None], shift, jnp.asarray([far, 0.0, 0.0], pos.dtype))
     return out.astype(jnp.int32), shift
 
 
@@ -127,8 +130,9 @@ def build_layout(wrapper: MessagePassingWrapper, exchange: str, positions: Any, 
         p = keep[0]
         kw = dict(grid=p.grid, owned_capacity=p.owned_capacity, ghost_capacity=p.ghost_capacity,
                   pair_capacities=dict(zip(p.offsets, p.pair_capacities)))
+    # Images of a device's own atoms are no rows: their edges carry the lattice shift (EdgePlan.image).
     plan = HaloPlan.build(pos, cell, periodic=periodic, cutoff=halo_depth(wrapper, exchange), skin=skin,
-                          n_devices=n_devices, headroom=headroom, **kw)
+                          n_devices=n_devices, headroom=headroom, self_images=False, **kw)
     edges = EdgePlan.build(plan, pos, cutoff=wrapper.cutoff, receivers="owned" if exchange == "per_layer" else "all",
                            headroom=headroom, edge_capacity=None if keep is None else keep[1].edge_capacity)
     return plan, edges, numbers, cell, periodic
@@ -223,8 +227,9 @@ class DistributedMLIP:
                periodic: tuple[bool, bool, bool], cs: Any = None) -> ModelState:
         cs = lower_compile(DistributionSpec(self.settings.policy), self.mesh, plan) if cs is None else cs.with_plan(plan)
         row = NamedSharding(self.mesh, P(cs.axis))
-        return ModelState(plan, edges, cs, place(edges.edges.reshape(-1, 2), row), place(edges.spare.reshape(-1), row),
-                          cs.owned(attrs), numbers, cell, periodic)
+        shift = edges.shift.reshape(-1, 3).astype(self._np_dtype())
+        return ModelState(plan, edges, cs, place(edges.edges.reshape(-1, 2), row), place(shift, row),
+                          place(edges.spare.reshape(-1), row), cs.owned(attrs), numbers, cell, periodic)
 
     def needs_rebuild(self, state: ModelState, positions: Any) -> bool:
         """Whether `positions` moved too far from the layout's (more than skin/2, or re-wrapped)."""
@@ -259,11 +264,13 @@ class DistributedMLIP:
         # Per layer, only the owned rows receive edges (EdgePlan receivers="owned").
         st = self.stages.for_receivers(None if deep else cs.tables.owned_capacity)
 
-        def body(t, edges, spare, attrs, pos, eps):
+        def body(t, edges, edge_shift, spare, attrs, pos, eps):
+            sym = ((eps + eps.T) / 2).astype(pos.dtype)
             pos_h = C.halo_forward(pos, t, axis, positions=True)
-            pos_h = pos_h + pos_h @ ((eps + eps.T) / 2).astype(pos_h.dtype)
+            pos_h = pos_h + pos_h @ sym
+            edge_shift = edge_shift + edge_shift @ sym  # lattice shifts follow the strained cell
             attrs_h = C.halo_forward(attrs, t, axis)
-            e_idx, shifts = active_edges(pos_h, edges, spare, w.cutoff, far)
+            e_idx, shifts = active_edges(pos_h, edges, edge_shift, spare, w.cutoff, far)
             graph = (pos_h, attrs_h, e_idx, shifts)
             if deep:
                 node_e = st.whole(*graph)
@@ -283,9 +290,9 @@ class DistributedMLIP:
             return jax.lax.psum(jnp.sum(own), axis), own
 
         smap = jax.shard_map(
-            body, mesh=cs.mesh, in_specs=(cs.tables.specs(axis), P(axis), P(axis), P(axis), P(axis), P()),
+            body, mesh=cs.mesh, in_specs=(cs.tables.specs(axis), P(axis), P(axis), P(axis), P(axis), P(axis), P()),
             out_specs=(P(), P(axis)), check_vma=True)
-        return smap(cs.tables, state.edge_table, state.spare, state.attrs, pos_owned, strain)
+        return smap(cs.tables, state.edge_table, state.edge_shift, state.spare, state.attrs, pos_owned, strain)
 
     def energy_and_gradients(self, state: ModelState, pos_owned: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """`(energy, node energies, dE/dpositions (owned storage), dE/dstrain (3, 3))`, one jitted program."""

@@ -26,9 +26,12 @@ part on `g.receiver_slice(x)` and hand back `g.to_rows(y)` (zero rows appended),
 which saves the node-wise work on the ghost rows (as many rows as the owned ones
 at 10^4 atoms on one device). A wrapper that computes on every row is right too.
 
-The block `g` (a `BlockGraph`) holds owned atoms, then ghost atoms (periodic
-images carry their shifted positions, so every edge has a zero shift), then
-inert padding rows parked far away. Its edges point from senders to receivers
+The block `g` (a `BlockGraph`) holds owned atoms, then ghost atoms (other devices'
+atoms, at the periodic image the device sees), then inert padding rows parked far
+away. An image of a device's own atom is no row: an edge from it is an edge from
+its owned row whose `shift` is the lattice vector (as in a model's own periodic
+neighbour list; on one device the block is the owned atoms alone), so geometry
+always comes from `g.edge_vectors()`. Its edges point from senders to receivers
 (MACE's convention); a padding edge joins a padding row to itself with a long
 shift vector, so it touches no atom. Stages must be pure torch functions of
 their inputs (they may run more than once: shape probing, autograd re-runs).
@@ -57,7 +60,8 @@ class BlockGraph:
         node_attrs: `(rows, A)` per-atom inputs from `MessagePassingWrapper.node_attrs`
             (zero on padding rows).
         edge_index: `(2, E)` int64; row 0 senders, row 1 receivers.
-        shifts: `(E, 3)`; zero for real edges, a long vector for padding edges.
+        shifts: `(E, 3)`: a lattice vector where the sender is a periodic image of its row's own
+            atom (else zero), a long vector for padding edges; strained with the positions.
         n_receivers: rows `[0, n_receivers)` are the only receivers of edges (None: every row).
         edge_features: the wrapper's `edge_features(g)` of this block, computed once by the
             driver for all layers (None: not computed; a layer then computes what it needs).

@@ -168,10 +168,13 @@ class TorchDistributedMLIP:
         pos_h = F.halo_from_owned(ctx, pos_owned, positions=True)
         parked = torch.tensor(plan.halo_offset[rank, n_pad: n_pad + 1], dtype=dtype)
         block = torch.cat([pos_h, parked])
-        block = block + block @ ((strain + strain.T) / 2)
+        sym = (strain + strain.T) / 2
+        block = block + block @ sym
+        shift = torch.tensor(state.edges.shift[rank, : state.edges.n_edges[rank]], dtype=dtype)
+        shift = shift + shift @ sym  # lattice shifts follow the strained cell
         attrs = self.wrapper.node_attrs(state.numbers)[plan.halo_global[rank, :n_pad]]
         attrs = torch.tensor(np.concatenate([attrs, np.zeros((1, attrs.shape[1]), attrs.dtype)]), dtype=dtype)
-        graph = self._graph(block, attrs, state.edges.edges[rank, : state.edges.n_edges[rank]],
+        graph = self._graph(block, attrs, state.edges.edges[rank, : state.edges.n_edges[rank]], shift,
                             n_receivers=n_own if self.exchange == "per_layer" else None)
         registry = AdapterRegistry()
         installed = self.distribution_spec().distribution
@@ -195,18 +198,19 @@ class TorchDistributedMLIP:
             out["virial"], out["stress"] = virial, -virial / volume
         return out
 
-    def _graph(self, block: torch.Tensor, attrs: torch.Tensor, edges: np.ndarray, *,
+    def _graph(self, block: torch.Tensor, attrs: torch.Tensor, edges: np.ndarray, shift: torch.Tensor, *,
                n_receivers: int | None) -> BlockGraph:
         """The block graph with the edges longer than the cutoff (at these positions) left out.
 
-        `n_receivers`: the owned rows, the only receivers with per-layer exchange (None: every row).
+        `shift`: the edges' (strained) shift vectors; `n_receivers`: the owned rows, the only
+        receivers with per-layer exchange (None: every row).
         """
         ei = torch.as_tensor(edges, dtype=torch.int64).T
         with torch.no_grad():
-            d = block[ei[1]] - block[ei[0]]
+            d = block[ei[1]] - block[ei[0]] + shift
             keep = (d * d).sum(1) < self.wrapper.cutoff**2
         ei = ei[:, keep].contiguous()
-        return BlockGraph(block, attrs, ei, torch.zeros((ei.shape[1], 3), dtype=block.dtype), n_receivers)
+        return BlockGraph(block, attrs, ei, shift[keep], n_receivers)
 
     @staticmethod
     def _sum(ctx: Any, x: torch.Tensor) -> torch.Tensor:

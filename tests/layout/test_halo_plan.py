@@ -153,6 +153,35 @@ def test_random_systems_are_owned_covered_and_exchanged(system):
     assert (0 in plan.offsets) == bool(self_images)
 
 
+@hypothesis.settings(max_examples=40, deadline=None, derandomize=True)
+@hypothesis.given(systems())
+def test_without_self_images_the_rows_and_own_images_are_the_plans_ghosts(system):
+    """`self_images=False` moves exactly the images of a device's own atoms out of its rows into
+    `own_images` (owned row, shift); the other ghosts, their exchanges and the coverage stay."""
+    positions, cell, periodic, cutoff, skin, n_devices, grid = system
+    kw = dict(periodic=periodic, cutoff=cutoff, skin=skin, n_devices=n_devices, grid=grid)
+    full = HaloPlan.build(positions, cell, **kw)
+    lean = HaloPlan.build(positions, cell, self_images=False, **kw)
+    _check_ownership(lean)
+    _check_exchanges(lean, positions, np.random.default_rng(0))
+    assert 0 not in lean.offsets and lean.self_images is False and full.self_images is True
+    assert all(len(o) == 0 for o in full.own_images)
+    for d in range(n_devices):
+        rows = range(full.n_owned[d], full.n_padded[d])
+        ghosts = {(int(full.halo_global[d, r]), *map(int, full.halo_image[d, r])) for r in rows}
+        kept = {(int(lean.halo_global[d, r]), *map(int, lean.halo_image[d, r]))
+                for r in range(lean.n_owned[d], lean.n_padded[d])}
+        own = {(int(lean.owned_global[d, o[0]]), *map(int, o[1:])) for o in lean.own_images[d]}
+        assert kept | own == ghosts and not kept & own
+        assert all(lean.owner[a] != d for a, *_ in kept) and all(lean.owner[a] == d for a, *_ in own)
+        assert len(own) == len(lean.own_images[d])  # listed once each
+    if n_devices == 1:
+        assert lean.n_ghost[0] == 0  # one device: no ghost rows at all
+    rebuilt = lean.rebuild(positions)
+    assert rebuilt.self_images is False and all(
+        np.array_equal(a, b) for a, b in zip(rebuilt.own_images, lean.own_images))
+
+
 def test_golden_two_rank_vectors():
     # A non-periodic chain with a zero cell: rank 0 owns g0-g2 and borrows g3; rank 1 owns g3-g5, borrows g1, g2.
     x = np.array([0.0, 1.5, 1.6, 3.0, 5.0, 6.0])

@@ -1,0 +1,49 @@
+"""EdgePlan: the block edges are exactly the pairs within reach, with images of own atoms as shifts."""
+
+from __future__ import annotations
+
+import itertools
+
+import hypothesis
+import numpy as np
+
+from nvalchemi_jaxbridge.layout import HaloPlan
+from nvalchemi_jaxbridge.mlip import EdgePlan
+from tests.layout.test_halo_plan import systems
+
+
+def _brute_force(positions: np.ndarray, cell: np.ndarray, periodic, reach: float) -> set[tuple]:
+    """Every (receiver, sender, vector) with |vector| < reach over all periodic images (O(N^2 T))."""
+    heights = abs(np.linalg.det(cell)) / np.linalg.norm(np.cross(cell[[1, 2, 0]], cell[[2, 0, 1]]), axis=1)
+    span = [range(-int(np.ceil(reach / h)) - 1, int(np.ceil(reach / h)) + 2) if p else range(1)
+            for h, p in zip(heights, periodic)]
+    frac = np.linalg.solve(cell.T, positions.T).T
+    positions = (frac - np.where(periodic, np.floor(frac), 0.0)) @ cell  # wrapped: the images above suffice
+    out = set()
+    for t in itertools.product(*span):
+        vec = positions[:, None, :] - positions[None, :, :] - np.array(t) @ cell  # receiver i, sender j
+        for i, j in zip(*np.nonzero(np.linalg.norm(vec, axis=2) < reach)):
+            if i != j or any(t):
+                out.add((int(i), int(j), *np.round(vec[i, j], 6)))
+    return out
+
+
+@hypothesis.settings(max_examples=30, deadline=None, derandomize=True)
+@hypothesis.given(systems())
+def test_edges_without_self_image_rows_are_every_pair_within_reach(system):
+    positions, cell, periodic, cutoff, skin, n_devices, grid = system
+    plan = HaloPlan.build(positions, cell, periodic=periodic, cutoff=cutoff, skin=skin, n_devices=n_devices,
+                          grid=grid, self_images=False)
+    edges = EdgePlan.build(plan, positions, cutoff=cutoff, receivers="owned")
+    halo = plan.to_halo(positions, positions=True).reshape(n_devices, plan.halo_rows, 3)
+    got = set()
+    for d in range(n_devices):
+        e = edges.edges[d, : edges.n_edges[d]]
+        vec = halo[d, e[:, 1]] - halo[d, e[:, 0]] + edges.shift[d, : edges.n_edges[d]]
+        assert np.all(e[:, 1] < plan.n_owned[d]) and np.all(e[:, 0] < plan.n_padded[d])  # real rows only
+        for (s, r), v in zip(e, vec):
+            got.add((int(plan.halo_global[d, r]), int(plan.halo_global[d, s]), *np.round(v, 6)))
+        np.testing.assert_array_equal(edges.shift[d], -(edges.image[d] @ plan.basis))
+    assert len(got) == int(edges.n_edges.sum())  # no edge twice
+    want = _brute_force(positions, plan.basis, periodic, cutoff + skin)
+    assert got == want, (sorted(got - want)[:5], sorted(want - got)[:5])
