@@ -183,6 +183,7 @@ class DistributedMLIP:
         gpu = self.mesh.devices.flat[0].platform == "gpu"
         self.stages = Stages.of(wrapper, call_path=call_path, device="cuda" if gpu else "cpu")
         self._value_and_grad = jax.jit(jax.value_and_grad(self.energy_fn, argnums=(1, 2), has_aux=True))
+        self._value_and_forces = jax.jit(jax.value_and_grad(self.energy_fn, argnums=1, has_aux=True))
 
     # ---------------------------------------------------------------- layout
 
@@ -294,10 +295,18 @@ class DistributedMLIP:
             out_specs=(P(), P(axis)), check_vma=True)
         return smap(cs.tables, state.edge_table, state.edge_shift, state.spare, state.attrs, pos_owned, strain)
 
-    def energy_and_gradients(self, state: ModelState, pos_owned: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """`(energy, node energies, dE/dpositions (owned storage), dE/dstrain (3, 3))`, one jitted program."""
-        strain = jnp.zeros((3, 3), pos_owned.dtype)
-        (energy, node_e), (g_pos, g_strain) = self._value_and_grad(state, pos_owned, strain)
+    def energy_and_gradients(self, state: ModelState, pos_owned: jax.Array, *, strain: bool = True
+                             ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+        """`(energy, node energies, dE/dpositions (owned storage), dE/dstrain (3, 3))`, one jitted program.
+
+        `strain=False`: the program leaves the strain derivative out (None in its place), so
+        nothing is differentiated for it (the edges' lattice shifts stay constants).
+        """
+        zero = jnp.zeros((3, 3), pos_owned.dtype)
+        if not strain:
+            (energy, node_e), g_pos = self._value_and_forces(state, pos_owned, zero)
+            return energy, node_e, g_pos, None
+        (energy, node_e), (g_pos, g_strain) = self._value_and_grad(state, pos_owned, zero)
         return energy, node_e, g_pos, g_strain
 
     # ---------------------------------------------------------------- results
@@ -322,7 +331,7 @@ class DistributedMLIP:
         state = self.prepare(positions, numbers, cell, pbc) if state is None else state
         want_stress = stress_wanted(s, stress, "DistributedMLIP.evaluate")
         pos_owned = state.cs.owned(np.asarray(positions, dtype=np.float64).astype(self._np_dtype()), positions=True)
-        energy, node_e, g_pos, g_strain = self.energy_and_gradients(state, pos_owned)
+        energy, node_e, g_pos, g_strain = self.energy_and_gradients(state, pos_owned, strain=want_stress)
         out: dict[str, Any] = {"energy": float(energy)}
         forces = -g_pos
         out["forces"] = forces if "forces" in s.owned_only else state.cs.to_global(forces)

@@ -110,3 +110,29 @@ def test_stages_differentiate_positions_and_features_only():
     assert set(seen) == {(True, True, False, True)}, seen
     for key in ("energy", "forces", "stress"):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-10, atol=1e-10)
+
+
+def test_forces_without_stress_leave_the_strain_out_of_the_program():
+    """`evaluate(stress=False)` runs a program without dE/dstrain: the edge shifts are constants there (not torch
+    leaves), and energy and forces equal those of the program with the strain derivative."""
+    from nvalchemi_jaxbridge.mlip import MPNN, DistributedMLIP, MPNNWrapper
+
+    seen: list[bool] = []
+
+    class Recording(MPNNWrapper):
+        def interaction(self, i, g, h):
+            if torch.is_grad_enabled():
+                seen.append(g.shifts.requires_grad)
+            return super().interaction(i, g, h)
+
+    atoms = alloy(reps=(3, 3, 3), seed=6)
+    args = (atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
+    bridge = DistributedMLIP(Recording(MPNN([29, 79], cutoff=4.0)), n_devices=2)
+    state = bridge.prepare(*args)
+    lean = bridge.evaluate(*args, state=state, stress=False)
+    assert set(seen) == {False} and "stress" not in lean and "virial" not in lean
+    seen.clear()
+    full = bridge.evaluate(*args, state=state, stress=True)
+    assert set(seen) == {True}
+    assert lean["energy"] == pytest.approx(full["energy"], rel=1e-12)
+    np.testing.assert_allclose(lean["forces"], full["forces"], rtol=0, atol=1e-12)
