@@ -35,9 +35,9 @@ and a mismatch is marked in the table. A scatter probe (before the ladder;
 (the backward of `x[idx]`) of the 10976-atom default bridge's edge count with its
 padding edges on one row, as the block holds them, against the same edges spread. With
 `--breakdown` (default) the energy alone is timed too (native `compute_force=False`,
-bridge `jax.jit(energy_fn)`), to show what the backward costs: on one GPU each
-stage's backward re-runs that stage's forward under torch autograd (a known
-cost, not addressed here). Sizes grow until the time budget is spent or a run
+bridge `jax.jit(energy_fn)`), to show what the backward costs (one forward per
+energy + forces on both sides: a stage's backward differentiates the graph its
+forward kept). Sizes grow until the time budget is spent or a run
 runs out of memory (later sizes of that run and dtype are then skipped); rows
 are written as they are measured, so a timeout leaves a partial table.
 
