@@ -191,6 +191,7 @@ class CompiledSpec:
                 f"CompiledSpec.with_plan: this spec uses {self.kind} storage, so the new plan must be a "
                 f"{'HaloPlan' if self.kind == 'halo' else 'ShardPlan'}, got {type(plan).__name__}."
             )
+        _check_self_images(self.spec, plan, "CompiledSpec.with_plan")
         return dataclasses.replace(self, plan=plan, tables=device_tables(plan, self.mesh))
 
     def with_tables(self, tables: Tables) -> CompiledSpec:
@@ -288,6 +289,23 @@ jax.tree_util.register_pytree_node(CompiledSpec, _flatten, _unflatten)
 # ------------------------------------------------------------------- compile
 
 
+def _check_self_images(spec: Any, plan: Any, where: str) -> None:
+    """Refuse a plan without rows for images of a device's own atoms when the spec has kernels to run.
+
+    An opaque kernel finds its neighbours from the block's positions, so it would silently miss
+    those images; only a consumer with explicit edges (the model level) may leave them out.
+    """
+    if getattr(plan, "self_images", True) or not tuple(getattr(spec, "custom_ops", ())):
+        return
+    raise ValueError(
+        f"{where}: the plan was built with self_images=False (images of a device's own atoms are no rows), "
+        f"but the spec has {len(tuple(spec.custom_ops))} kernel adapter(s), which find their neighbours "
+        "from the block's rows and would miss those images; build the plan with HaloPlan.build(..., "
+        "self_images=True) (the default). self_images=False is for consumers with explicit edges that "
+        "carry the images as shifts (the model level, nvalchemi_jaxbridge.mlip)."
+    )
+
+
 def compile(  # noqa: A001 - the name users know from the spec
     spec: Any,
     mesh: Mesh,
@@ -354,6 +372,7 @@ def compile(  # noqa: A001 - the name users know from the spec
             f"compile: the spec's policy {type(spec.policy).__name__} uses sharded storage, which needs a "
             f"ShardPlan, got {type(plan).__name__}."
         )
+    _check_self_images(spec, plan, "compile")
     tables = device_tables(plan, mesh)
     entries = _resolve(spec, kind, kernel_for or jax_kernel)
     entries = _position_args(entries, kind, positions)

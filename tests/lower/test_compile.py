@@ -310,3 +310,21 @@ def test_adapter_accessor_finds_by_adapter_op_and_name():
     assert cs.adapter(a) is a and cs.adapter(kernel) is a and cs.adapter(a.describe().target) is a
     with pytest.raises(KeyError, match=r"not an adapter of this spec; known targets"):
         cs.adapter("demo::nope")
+
+
+def test_a_plan_without_self_image_rows_is_refused_for_kernels(mesh2):
+    """A kernel finds neighbours from the block's rows: a plan that left out images of a device's own atoms
+    (self_images=False, the model level's) would make it miss them, so compile and with_plan refuse it."""
+    from nvalchemi_jaxbridge.layout import HaloPlan
+
+    pos = np.random.default_rng(0).uniform(0.0, 6.0, (24, 3))
+    lean = HaloPlan.build(pos, np.eye(3) * 6.0, cutoff=2.0, n_devices=2, self_images=False)
+    full = HaloPlan.build(pos, np.eye(3) * 6.0, cutoff=2.0, n_devices=2)
+    assert sum(len(o) for o in lean.own_images) > 0  # the slab's y and z images are own atoms'
+    spec = make_spec(HaloStoragePolicy(), OpAdapter(double, gather_inputs=[0]))
+    with pytest.raises(ValueError, match=r"self_images=False .* build the plan with HaloPlan.build\(\.\.\., self_images=True\)"):
+        compile(spec, mesh2, lean)
+    cs = compile(spec, mesh2, full)
+    with pytest.raises(ValueError, match="CompiledSpec.with_plan: the plan was built with self_images=False"):
+        cs.with_plan(lean)
+    compile(make_spec(HaloStoragePolicy()), mesh2, lean)  # no kernels (the model level's exchanges): fine
