@@ -1,7 +1,7 @@
 """MACE energy + forces on one device, native and the bridge taking turns call by call (steady ratios).
 
     PYTHONPATH=.:/tmp/site python3 benchmarks/mace_interleaved.py --out OUTDIR [--sizes 7,14]
-        [--dtypes float32,float64] [--hidden "64x0e + 64x1o"] [--rounds 15] [--label after] [--smoke]
+        [--dtypes float32,float64] [--hidden "64x0e + 64x1o"] [--rounds 15] [--label after] [--profile] [--smoke]
 
 `mace_one_gpu.py` times each run in a block of its own; on a host-bound size (10^3 atoms)
 the machine's drift between blocks is as large as the difference looked for. Here the
@@ -13,7 +13,10 @@ stress, which native leaves out), where the version measured has the first.
 The model and structures are mace_one_gpu.py's (random ScaleShiftMACE, TorchScript on,
 rattled fcc Cu/Au of reps^3 x 4 atoms). `--label` tags the rows, so runs of two versions
 of the package (each from its own checkout) can share one table. Every bridge result is
-checked against native (energy, forces) and a mismatch marks the row.
+checked against native (energy, forces) and a mismatch marks the row. `--profile` adds, per
+size, three calls of each side under `torch.profiler` and what the bridge's E+F runs beyond
+native's, by name: kernels (count and device time per call) and torch CPU ops (count per
+call; on a GPU the stage ops run on the calling thread, so the profiler sees them).
 """
 
 from __future__ import annotations
@@ -25,6 +28,40 @@ import time
 import _common as cm
 import numpy as np
 
+def profile_by_name(call, sync, calls: int = 3) -> tuple[dict, dict, dict]:
+    """Per call, by name: kernel launches, device seconds, torch CPU ops (`torch.profiler`, CUPTI on a GPU)."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync(call())
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(calls):
+            sync(call())
+    n_kernels, device_s, cpu_ops = collections.Counter(), collections.Counter(), collections.Counter()
+    for e in prof.events():
+        if e.device_type.name == "CUDA":  # a kernel, copy or memset (CUPTI)
+            n_kernels[e.name[:90]] += 1 / calls
+            device_s[e.name[:90]] += e.time_range.elapsed_us() * 1e-6 / calls
+        elif e.name.startswith("aten::"):
+            cpu_ops[e.name] += 1 / calls
+    return n_kernels, device_s, cpu_ops
+
+
+def extra_rows(bridge: tuple[dict, dict, dict], native: tuple[dict, dict, dict], top: int = 12) -> list[list[str]]:
+    """Rows of what the bridge runs beyond native: kernels by device time, then CPU ops by count."""
+    (bk, bt, bo), (nk, nt, no) = bridge, native
+    rows = [["total", f"{sum(bk.values()) - sum(nk.values()):+.0f} kernels",
+             f"{1e3 * (sum(bt.values()) - sum(nt.values())):+.3f} ms", f"{sum(bo.values()) - sum(no.values()):+.0f} ops"]]
+    names = sorted(set(bt) | set(nt), key=lambda k: -(bt.get(k, 0.0) - nt.get(k, 0.0)))[:top]
+    rows += [[f"kernel: {k}", f"{bk.get(k, 0) - nk.get(k, 0):+.0f}", f"{1e3 * (bt.get(k, 0) - nt.get(k, 0)):+.3f} ms", ""]
+             for k in names]
+    ops = sorted(set(bo) | set(no), key=lambda k: -(bo.get(k, 0) - no.get(k, 0)))[:top]
+    rows += [[f"op: {k}", "", "", f"{bo.get(k, 0) - no.get(k, 0):+.0f}"] for k in ops]
+    return rows
+
 
 def main(argv: list[str] | None = None) -> int:
     p = cm.base_parser(__doc__.splitlines()[0])
@@ -33,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", default="64x0e + 64x1o", help="hidden irreps")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15, smoke 2)")
     p.add_argument("--label", default="", help="a tag for the rows (e.g. the version measured)")
+    p.add_argument("--profile", action="store_true", help="also profile each side and list the bridge's extra work")
     a = p.parse_args(argv)
     a.hidden_given = True
     platform = cm.setup(a.platform)
@@ -94,6 +132,15 @@ def main(argv: list[str] | None = None) -> int:
                                f"{tn / ts:.3f}x", f"{de:.1e}, {df:.1e}" + ("" if ok else " MISMATCH")])
                 if not ok:
                     raise AssertionError(f"{len(atoms)} atoms {dtype}: bridge vs native dE/E {de:.1e}, max dF {df:.1e}")
+                if a.profile:
+                    lean = runs.get("bridge", runs["bridge+strain"])
+                    diff = rep.table(f"{dtype}, {len(atoms)} atoms: the bridge's E+F beyond native's, per call",
+                                     ["what", "kernels", "device time", "torch CPU ops"])
+                    for row in extra_rows(profile_by_name(*lean), profile_by_name(*runs["native"])):
+                        rep.row(diff, row)
+                    if platform == "cpu":
+                        rep.note("On the CPU the stage ops run on XLA's threads, which torch.profiler does not see "
+                                 "here: the op counts above are native's alone (not a comparison).")
                 rep.note(f"{dtype} {len(atoms)} atoms: {time.perf_counter() - t0:.0f} s")
     return rep.finish()
 
