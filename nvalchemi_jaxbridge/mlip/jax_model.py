@@ -273,20 +273,18 @@ class DistributedMLIP:
             attrs_h = C.halo_forward(attrs, t, axis)
             e_idx, shifts = active_edges(pos_h, edges, edge_shift, spare, w.cutoff, far)
             graph = (pos_h, attrs_h, e_idx, shifts)
-            if deep:
+            if deep or st.first is None:  # the whole model as one op (deep halo, or a single layer)
                 node_e = st.whole(*graph)
             else:
-                ef = st.edge_features(*graph)  # once, for every layer
-                h = st.embed(*graph)
-                h = h if isinstance(h, tuple) else (h,)
-                acc = None
-                for i, op in enumerate(st.interactions):
-                    if i > 0:
-                        h = tuple(between_layers(x, t, axis, policy) for x in h)
+                out = st.first(*graph)  # edge features (once, for every layer), layer 0's h and energy term
+                n_ef = st.n_edge_features
+                ef, h, acc = out[:n_ef], out[n_ef:-1], out[-1]
+                for op in st.middle:
+                    h = tuple(between_layers(x, t, axis, policy) for x in h)
                     out = op(*graph, *ef, *h)
-                    h, e = tuple(out[:-1]), out[-1]
-                    acc = e if acc is None else acc + e
-                node_e = st.readout(*graph, acc)
+                    h, acc = out[:-1], acc + out[-1]
+                h = tuple(between_layers(x, t, axis, policy) for x in h)
+                node_e = st.last(*graph, *ef, *h, acc)
             own = C.slice_owned(node_e, t)
             return jax.lax.psum(jnp.sum(own), axis), own
 

@@ -1,20 +1,23 @@
-"""A wrapper's stages as torch ops callable from JAX (`kernels.torch_fn`), one op per stage.
+"""A wrapper's stages as torch ops callable from JAX (`kernels.torch_fn`), one op per layer.
 
 Every stage op takes the block graph as four arrays, `positions (rows, 3)`,
 `node_attrs (rows, A)`, `edges (E, 2)` int32 (sender, receiver) and `shifts (E, 3)`,
-then the stage's own node tensors:
+then its own tensors. With per-layer exchange the ops are cut where the exchange
+is, between the layers, and nowhere else:
 
-| stage | inputs after the graph | outputs |
+| op | inputs after the graph | outputs |
 |---|---|---|
-| `edges` (if the wrapper shares edge features) | - | the wrapper's `edge_features`, per-edge tensors |
-| `embed` | - | the node features `h` (one tensor or several) |
-| `interaction[i]` | the edge features (if any), then `h` | the new `h`, then the layer's `(rows,)` energy term |
-| `readout` | the summed energy terms `(rows,)` | `(rows,)` node energies |
-| `whole` (deep halo) | - | `(rows,)` node energies: every stage in one op, no exchange |
+| `first` | - | the edge features (if the wrapper shares some), then layer 0's `h` and energy term |
+| `middle[i]` (layer i + 1) | the edge features, then `h` | the new `h`, then the layer's `(rows,)` energy term |
+| `last` (layer L - 1) | the edge features, `h`, the summed earlier terms | `(rows,)` node energies |
+| `whole` (deep halo; or one layer) | - | `(rows,)` node energies: every stage in one op |
 
-The edge features cross from one op to the next as JAX arrays, so they are
-computed (and differentiated) once per evaluation, as in the model's own forward,
-instead of once per layer.
+`first` runs the wrapper's `edge_features`, `embed` and layer 0; `last` its last
+layer and `node_energies`. Each op costs a fixed amount per evaluation whatever it
+holds (two calls into torch, its inputs kept for the backward, an autograd pass),
+so MACE's two layers are two ops, not one per stage. The edge features cross from
+`first` to the later layers as JAX arrays, so they are computed (and differentiated)
+once per evaluation, as in the model's own forward.
 
 The graph's receiver count (`BlockGraph.n_receivers`) is fixed per op set, as a
 shape is: `Stages.for_receivers` defines one set per count.
@@ -29,7 +32,7 @@ import numpy as np
 import torch
 
 from ..kernels.torch_fn import torch_function
-from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, node_energies_of
+from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, node_energies_of, with_edge_features
 
 
 def block_graph(positions: torch.Tensor, node_attrs: torch.Tensor, edges: torch.Tensor,
@@ -83,23 +86,23 @@ def _n_edge_features(wrapper: MessagePassingWrapper, device: torch.device) -> in
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StageOps:
-    """The stage ops of one wrapper for blocks of one receiver count (JAX callables on local arrays)."""
+    """The stage ops of one wrapper for blocks of one receiver count (JAX callables on local arrays).
 
-    edges: Any  # None: the wrapper shares no edge features
-    embed: Any
-    interactions: tuple[Any, ...]
-    readout: Any
+    `first`, `middle` and `last` are None with one layer (`whole` is the model then).
+    """
+
+    first: Any
+    middle: tuple[Any, ...]
+    last: Any
     whole: Any
+    n_edge_features: int
 
     def named(self) -> list[tuple[str, Any]]:
-        """`(name, op)` of the staged ops in program order (`whole` left out)."""
-        first = [] if self.edges is None else [("edges", self.edges)]
-        return [*first, ("embed", self.embed), *((f"interaction_{i}", k) for i, k in enumerate(self.interactions)),
-                ("readout", self.readout)]
-
-    def edge_features(self, *graph: Any) -> tuple[Any, ...]:
-        """The `edges` op's results on the four graph arrays, as a tuple (empty without the op)."""
-        return () if self.edges is None else as_tuple(self.edges(*graph))
+        """`(name, op)` of the per-layer ops in program order (`whole` alone with one layer)."""
+        if self.first is None:
+            return [("whole", self.whole)]
+        return [("first", self.first), *((f"layer_{i + 1}", k) for i, k in enumerate(self.middle)),
+                ("last", self.last)]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -138,39 +141,44 @@ class Stages:
 
     def _define(self, n_receivers: int | None) -> StageOps:
         wrapper, n, n_edge, call_path = self.wrapper, self.n_features, self.n_edge_features, self.call_path
-        name = wrapper.name
+        name, n_layers = wrapper.name, wrapper.n_layers
 
         def graph(pos, attrs, edges, shifts, edge_features=None) -> BlockGraph:
             return block_graph(pos, attrs, edges, shifts, n_receivers, edge_features)
 
-        def edge_features(*g):
-            return tuple(as_tuple(wrapper.edge_features(graph(*g))))
+        def layer(i: int, g: BlockGraph, h: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
+            h_new, e = wrapper.interaction(i, g, h if n > 1 else h[0])
+            return as_tuple(h_new), e
 
-        def embed(*g):
-            return as_tuple(wrapper.embed(graph(*g)))
+        def first(*arrays):
+            g = with_edge_features(wrapper, graph(*arrays))
+            h, e = layer(0, g, as_tuple(wrapper.embed(g)))
+            return (*(g.edge_features or ()), *h, e)
 
-        def interaction(i: int):
+        def middle(i: int):
             def fn(pos, attrs, edges, shifts, *rest):
                 ef, h = rest[:n_edge], rest[n_edge:]
-                g = graph(pos, attrs, edges, shifts, ef if n_edge else None)
-                h_new, e = wrapper.interaction(i, g, h if n > 1 else h[0])
-                return (*as_tuple(h_new), e)
+                h, e = layer(i, graph(pos, attrs, edges, shifts, ef if n_edge else None), h)
+                return (*h, e)
             return fn
 
-        def readout(pos, attrs, edges, shifts, e_sum):
-            return wrapper.node_energies(graph(pos, attrs, edges, shifts), e_sum)
+        def last(pos, attrs, edges, shifts, *rest):
+            ef, h, earlier = rest[:n_edge], rest[n_edge:-1], rest[-1]
+            g = graph(pos, attrs, edges, shifts, ef if n_edge else None)
+            _, e = layer(n_layers - 1, g, h)
+            return wrapper.node_energies(g, earlier + e)
 
-        def whole(*g):
-            return node_energies_of(wrapper, graph(*g))
+        def whole(*arrays):
+            return node_energies_of(wrapper, graph(*arrays))
 
+        def op(fn, n_in: int, n_out: int, label: str) -> Any:
+            return torch_function(fn, n_in, n_out, label=f"{name}_{label}", call_path=call_path)
+
+        staged = n_layers > 1
         return StageOps(
-            edges=torch_function(edge_features, 4, n_edge, label=f"{name}_edges", call_path=call_path)
-            if n_edge else None,
-            embed=torch_function(embed, 4, n, label=f"{name}_embed", call_path=call_path),
-            interactions=tuple(
-                torch_function(interaction(i), 4 + n_edge + n, n + 1, label=f"{name}_interaction_{i}",
-                               call_path=call_path)
-                for i in range(wrapper.n_layers)),
-            readout=torch_function(readout, 5, 1, label=f"{name}_readout", call_path=call_path),
-            whole=torch_function(whole, 4, 1, label=f"{name}_whole", call_path=call_path),
+            first=op(first, 4, n_edge + n + 1, "layer_0") if staged else None,
+            middle=tuple(op(middle(i), 4 + n_edge + n, n + 1, f"layer_{i}") for i in range(1, n_layers - 1)),
+            last=op(last, 4 + n_edge + n + 1, 1, f"layer_{n_layers - 1}") if staged else None,
+            whole=op(whole, 4, 1, "whole"),
+            n_edge_features=n_edge,
         )

@@ -136,3 +136,22 @@ def test_forces_without_stress_leave_the_strain_out_of_the_program():
     assert set(seen) == {True}
     assert lean["energy"] == pytest.approx(full["energy"], rel=1e-12)
     np.testing.assert_allclose(lean["forces"], full["forces"], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("n_layers", [1, 3])
+def test_per_layer_ops_are_cut_only_between_layers_and_match_one_device(n_layers):
+    """One op per layer (the first also embeds, the last also reads out), one op for a single layer, and the
+    same energy, forces and stress as one device."""
+    from nvalchemi_jaxbridge.mlip import MPNN, DistributedMLIP, MPNNWrapper
+
+    model = MPNN([29, 79], cutoff=4.0, n_layers=n_layers)
+    wrapper = MPNNWrapper(model)
+    atoms = alloy(reps=(3, 3, 3), seed=7)
+    bridge = DistributedMLIP(wrapper, n_devices=2)
+    got = bridge.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
+    want = reference(model, atoms, model.cutoff, wrapper.node_attrs(atoms.numbers))
+    for key in ("energy", "forces", "stress"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-10, atol=1e-10)
+    (ops,) = bridge.stages.defined()
+    names = [name for name, _ in ops.named()]
+    assert names == (["whole"] if n_layers == 1 else ["first", *(f"layer_{i}" for i in range(1, n_layers - 1)), "last"])
