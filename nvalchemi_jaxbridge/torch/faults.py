@@ -163,8 +163,11 @@ def join_failure(coord: str, world: int, rank: int, timeout_s: float) -> FaultRe
         why = (f"{others} never joined: it failed or is slow before initialize() (see its log), was started with "
                f"a different WORLD_SIZE (this rank: {world}), or cannot reach {coord}")
     elif not _reachable(coord):
+        # Rank 0 may also have come and gone: started with another WORLD_SIZE, it waited for ranks that
+        # never came and gave up at about the time this rank does.
         blame, why = 0, (f"rank 0's coordinator at {coord} does not answer: rank 0 failed before initialize() "
-                         "or has not reached it (see rank 0's log)")
+                         "or has not reached it (see rank 0's log), or it gave up waiting, having been started "
+                         f"with a different WORLD_SIZE (this rank: {world})")
     else:
         why = (f"rank 0's coordinator at {coord} answers but not every rank joined: one failed or is slow before "
                f"initialize() (see its log), or rank 0 was started with a different WORLD_SIZE (this rank: {world})")

@@ -274,3 +274,16 @@ def test_watchdog_limit_from_argument_environment_or_default():
         faults.watchdog_seconds(None, {faults.ENV_WATCHDOG: "soon"})
     with pytest.raises(ValueError, match=r"watchdog_s=-1\) must be >= 0 seconds"):
         faults.watchdog_seconds(-1)
+
+
+def test_a_rank_that_finds_no_coordinator_names_a_world_size_mismatch_too():
+    """Rank 0 started with a larger WORLD_SIZE gives up waiting at about the time a peer does; the peer then
+    finds no coordinator, so its record must name that cause too (which record the launcher shows is a race)."""
+    from nvalchemi_jaxbridge.torch.faults import join_failure
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rec = join_failure(f"127.0.0.1:{port}", world=2, rank=1, timeout_s=15.0)
+    assert rec.blame == 0
+    assert "does not answer" in rec.message and "different WORLD_SIZE (this rank: 2)" in rec.message
