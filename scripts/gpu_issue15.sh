@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 15 on one GPU in one command (about 5-7 minutes on an H200): the GPU checks of both call paths, then the
+# autograd-force op and MACE against native, with the bridge's extra work by kernel and op name.
+#
+#   PYTHONPATH=.:/tmp/site scripts/gpu_issue15.sh OUTDIR
+#
+# MACE needs the wheels of benchmarks/RESULTS.md in /tmp/site. Environment: PYTHON (default python3),
+# PLATFORM (default gpu; cpu runs the same steps as a dry run), LJ_SIZES, MACE_SIZES, MACE_ROUNDS.
+# Logs and tables go to OUTDIR; a step that fails or times out is reported and the next one runs.
+set -u
+OUT=${1:?usage: scripts/gpu_issue15.sh OUTDIR}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+PLATFORM=${PLATFORM:-gpu}
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+log() { echo "[$(date +%H:%M:%S)] $*"; }
+step() {  # step NAME TIMEOUT_S COMMAND...: run, keep the log, report the exit code
+  local name=$1 limit=$2
+  shift 2
+  log "$name"
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  log "$name: exit $?"
+}
+if [ "$PLATFORM" = gpu ]; then
+  step gpu_kernels_check 240 "$PY" scripts/gpu_kernels_check.py
+  grep -E "^(PASS|FAIL)" "$OUT/gpu_kernels_check.log" | tail -3
+  step pytest_gpu 240 env JAX_PLATFORMS=cuda,cpu TRITON_INTERPRET=0 "$PY" -m pytest tests/kernels/test_ffi_path.py \
+    tests/kernels/test_call_path.py -k gpu -q -p no:cacheprovider
+  tail -2 "$OUT/pytest_gpu.log"
+fi
+step grad_through_op 240 "$PY" benchmarks/grad_through_op.py --platform "$PLATFORM" --sizes "${LJ_SIZES:-1000,10000,100000}" \
+  --iters 100 --paths ffi,callback --out "$OUT"
+grep -E "^\| " "$OUT/grad_through_op.md" | head -14
+step mace_interleaved 420 "$PY" benchmarks/mace_interleaved.py --platform "$PLATFORM" --sizes "${MACE_SIZES:-7,14}" \
+  --rounds "${MACE_ROUNDS:-30}" --profile --out "$OUT"
+grep -E "^\| " "$OUT/mace_interleaved.md" | head -80
