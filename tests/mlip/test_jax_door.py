@@ -45,8 +45,8 @@ def run(name: str, structure: str, n_devices: int, exchange: str) -> tuple[dict,
     return dm.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc, state=state), state
 
 
-MPNN_CASES = [(s, d, "per_layer") for s in ("cubic", "triclinic", "slab") for d in (2, 4, 8)] + [
-    ("triclinic", 2, "deep_halo"), ("slab", 4, "deep_halo"), ("cubic", 8, "deep_halo")]
+MPNN_CASES = [(s, d, "per_layer") for s in ("cubic", "triclinic", "slab") for d in (1, 2, 4, 8)] + [
+    ("triclinic", 1, "deep_halo"), ("triclinic", 2, "deep_halo"), ("slab", 4, "deep_halo"), ("cubic", 8, "deep_halo")]
 
 
 @pytest.mark.parametrize("structure,n_devices,exchange", MPNN_CASES)
@@ -55,11 +55,14 @@ def test_mpnn_matches_one_device(structure, n_devices, exchange):
     check(out, expected("mpnn", structure))
     rows = state.rows_per_device()
     assert sum(r["owned"] for r in rows) == len(cases.structure(structure))
+    if n_devices == 1:  # every image is one of the device's own atoms: edge shifts, no ghost rows
+        assert rows[0]["ghost"] == 0 and len(state.plan.own_images[0]) > 0
     print(f"mpnn {structure} {exchange} rows per device (owned, ghost, edges):",
           [(r["owned"], r["ghost"], r["edges"]) for r in rows])
 
 
-MACE_CASES = [("mace", "cubic", 2, "per_layer"), ("mace", "triclinic", 4, "per_layer"), ("mace", "slab", 8, "per_layer"),
+MACE_CASES = [("mace", "triclinic", 1, "per_layer"), ("mace", "cubic", 2, "per_layer"),
+              ("mace", "triclinic", 4, "per_layer"), ("mace", "slab", 8, "per_layer"),
               ("mace", "triclinic", 2, "deep_halo")]  # a 10.5 Å halo: ~1700 rows per device, every row computed
 
 
