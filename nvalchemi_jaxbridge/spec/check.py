@@ -8,7 +8,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .adapter import position_from_key
+from .positions import position_from_key
 from .distribution import _KEYS as _CORE_KEYS
 from .distribution import DistributionSpec
 from .errors import SpecError, jpath, json_type, short, unknown
