@@ -120,18 +120,6 @@ def context(platform: str) -> dict[str, str]:
 # ------------------------------------------------------------------ timing
 
 
-def time_calls(fn: Callable[[], Any], *, warmup: int, iters: int, sync: Callable[[Any], Any]) -> list[float]:
-    """Wall seconds of `iters` calls of `fn` (each followed by `sync(result)`), after `warmup` calls."""
-    for _ in range(warmup):
-        sync(fn())
-    out = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        sync(fn())
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def time_interleaved(runs: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]], *, warmup: int,
                      iters: int) -> dict[str, list[float]]:
     """Wall seconds per call of each `(fn, sync)` in `runs`, the runs taking turns call by call.
@@ -149,6 +137,11 @@ def time_interleaved(runs: dict[str, tuple[Callable[[], Any], Callable[[Any], An
             sync(fn())
             out[name].append(time.perf_counter() - t0)
     return out
+
+
+def time_calls(fn: Callable[[], Any], *, warmup: int, iters: int, sync: Callable[[Any], Any]) -> list[float]:
+    """Wall seconds of `iters` calls of `fn` (each followed by `sync(result)`), after `warmup` calls."""
+    return time_interleaved({"": (fn, sync)}, warmup=warmup, iters=iters)[""]
 
 
 def time_jax(fn: Callable[[], Any], *, warmup: int, iters: int) -> list[float]:
