@@ -16,14 +16,18 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/full.h>
 
 #include <cstdint>
 #include <functional>
 #include <iterator>
+#include <limits>
 #include <list>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <random>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -107,6 +111,17 @@ class GraphTable {
     return order_.size();
   }
 
+  // A 0-d NaN of `dtype` on `device`, made once (one fill on the current stream) and kept: what a gradient
+  // becomes where its graph was found by a site whose token is another's (torch_call.cc).
+  at::Tensor nan_on(c10::Device device, c10::ScalarType dtype) {
+    std::lock_guard<std::mutex> lock(mu_);
+    at::Tensor& t = nans_[std::make_pair(device.str(), dtype)];
+    if (!t.defined()) {
+      t = at::full({}, std::numeric_limits<double>::quiet_NaN(), at::TensorOptions().dtype(dtype).device(device));
+    }
+    return t;
+  }
+
   // How many backwards named their graph by the token's value (read back from the device).
   int64_t token_reads() const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -143,6 +158,7 @@ class GraphTable {
   std::list<Entry> order_;  // oldest first
   std::unordered_map<int32_t, Iter> where_;
   std::unordered_map<TokenSite, int32_t, TokenSiteHash> at_site_;
+  std::map<std::pair<std::string, c10::ScalarType>, at::Tensor> nans_;
 };
 
 }  // namespace jb

@@ -28,6 +28,7 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/where.h>
 #include <c10/core/AutogradState.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -250,14 +251,29 @@ jb::TokenSite site_of(int64_t run, c10::Device device, const ffi::AnyBuffer& tok
   return jb::TokenSite{run, static_cast<int32_t>(device.index()), reinterpret_cast<uintptr_t>(token.untyped_data())};
 }
 
-// A gradient made NaN, on the stream, where `mismatch` (a 0-d device bool; undefined: no check) is
-// true: the graph found by its token's site was not the token's. Never seen: it would take XLA
-// copying one forward's token into the buffer of another's, and then the gradient must not pass
-// for a right one.
-void poison_if(const at::Tensor& mismatch, at::Tensor& grad) {
-  if (mismatch.defined() && grad.numel() != 0) {
-    grad.masked_fill_(mismatch, std::numeric_limits<double>::quiet_NaN());
+// The token (salt, serial) as the one int64 its int32 (2,) buffer holds (the salt first: little-endian), so
+// that writing it and checking it are one kernel each.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the graph token's int64 view assumes little-endian");
+int64_t token_word(int32_t salt, int32_t serial) {
+  return static_cast<int64_t>((static_cast<uint64_t>(static_cast<uint32_t>(serial)) << 32) |
+                              static_cast<uint64_t>(static_cast<uint32_t>(salt)));
+}
+
+// The token buffer (int32 (2,)) viewed as its one int64 word, 0-d.
+at::Tensor token_word_view(const at::Tensor& token) { return token.view(c10::ScalarType::Long).reshape({}); }
+
+// The gradient `got` written into XLA's buffer `want`: NaN instead where `mismatch` (a 0-d device bool;
+// undefined: no check) is true, i.e. the graph found by its token's site was not the token's. Never seen:
+// it would take XLA copying one forward's token into the buffer of another's, and then the gradient must
+// not pass for a right one. One kernel (the NaN is the table's, on the device already); `got` undefined:
+// zeros (the input does not reach the differentiated results).
+void write_gradient(jb::GraphTable& table, const at::Tensor& mismatch, const at::Tensor& got, at::Tensor& want) {
+  const at::Tensor value = got.defined() ? got : want.zero_();
+  if (!mismatch.defined()) {
+    if (got.defined()) want.copy_(got);
+    return;
   }
+  at::where_out(want, mismatch, table.nan_on(want.device(), want.scalar_type()), value);
 }
 
 // A differentiated call's forward: the op once under autograd, its results (returns, then mutated
@@ -283,8 +299,7 @@ ffi::Error run_keep(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRet
   if (b.has_error()) return b.error();
   at::Tensor want = as_tensor(**b, device, plan, "result", plan.n_results - 1);
   const auto token = plan.graphs->keep(std::move(graph), site_of(run, device, **b));
-  want.select(0, 0).fill_(token.first);  // fills, not a copy from the host: no stream synchronisation
-  want.select(0, 1).fill_(token.second);
+  token_word_view(want).fill_(token_word(token.first, token.second));  // a fill, not a copy from the host: no sync
   return ffi::Error::Success();
 }
 
@@ -324,7 +339,7 @@ ffi::Error run_backward(const Plan& plan, ffi::RemainingArgs args, ffi::Remainin
   at::Tensor mismatch;  // on a graph found by its token's site: whether the token there is another (0-d, on device)
   if (auto found = table.take_at(site_of(run, device, *tb))) {
     at::NoGradGuard no_grad;
-    mismatch = token.select(0, 0).ne(table.salt()).logical_or(token.select(0, 1).ne(found->first));
+    mismatch = token_word_view(token).ne(token_word(table.salt(), found->first));
     kept = std::move(found->second);
   } else {
     at::Tensor host = token.to(c10::kCPU);  // a GPU: one stream synchronisation
@@ -360,20 +375,14 @@ ffi::Error run_backward(const Plan& plan, ffi::RemainingArgs args, ffi::Remainin
     at::Tensor want = as_tensor(**b, device, plan, "result", l);
     if (want.numel() == 0) continue;
     const at::Tensor& got = grads[l];
-    if (!got.defined()) {
-      want.zero_();  // the input does not reach the differentiated results
-      poison_if(mismatch, want);
-      continue;
-    }
-    if (got.sizes() != want.sizes() || got.scalar_type() != want.scalar_type()) {
+    if (got.defined() && (got.sizes() != want.sizes() || got.scalar_type() != want.scalar_type())) {
       std::ostringstream os;
       os << "op " << plan.name << ": the gradient of differentiated input " << l << " is " << describe(got)
          << " but JAX expected " << describe(want) << " (the input's shape and dtype); fix the op's "
          << "backward formula (register_autograd) to return gradients shaped and typed like the inputs";
       return ffi::Error::InvalidArgument(os.str());
     }
-    want.copy_(got);
-    poison_if(mismatch, want);
+    write_gradient(table, mismatch, got, want);
   }
   return ffi::Error::Success();
 }
