@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Issue 15 on one GPU in one command (about 5-7 minutes on an H200): the GPU checks of both call paths, then the
-# autograd-force op and MACE against native, with the bridge's extra work by kernel and op name.
+# Issue 15 on one GPU in one command (about 7-9 minutes on an H200): the GPU checks of both call paths, then the
+# autograd-force op, the MD step and MACE against native, with the bridge's extra work by kernel and op name.
 #
 #   PYTHONPATH=.:/tmp/site scripts/gpu_issue15.sh OUTDIR
 #
 # MACE needs the wheels of benchmarks/RESULTS.md in /tmp/site. Environment: PYTHON (default python3),
-# PLATFORM (default gpu; cpu runs the same steps as a dry run), LJ_SIZES, MACE_SIZES, MACE_ROUNDS.
+# PLATFORM (default gpu; cpu runs the same steps as a dry run), LJ_SIZES, MD_CELLS, MACE_SIZES, MACE_ROUNDS.
 # Logs and tables go to OUTDIR; a step that fails or times out is reported and the next one runs.
 set -u
 OUT=${1:?usage: scripts/gpu_issue15.sh OUTDIR}
@@ -31,6 +31,9 @@ fi
 step grad_through_op 240 "$PY" benchmarks/grad_through_op.py --platform "$PLATFORM" --sizes "${LJ_SIZES:-1000,10000,100000}" \
   --iters 100 --paths ffi,callback --out "$OUT"
 grep -E "^\| " "$OUT/grad_through_op.md" | head -14
+step md_interleaved 240 "$PY" benchmarks/md_interleaved.py --platform "$PLATFORM" --kernels torch-cells \
+  --cells "${MD_CELLS:-14,22,35}" --rounds 15 --steps 10 --out "$OUT"
+grep -E "^\| " "$OUT/md_interleaved.md" | head -6
 step mace_interleaved 420 "$PY" benchmarks/mace_interleaved.py --platform "$PLATFORM" --sizes "${MACE_SIZES:-7,14}" \
   --rounds "${MACE_ROUNDS:-30}" --profile --out "$OUT"
 grep -E "^\| " "$OUT/mace_interleaved.md" | head -80

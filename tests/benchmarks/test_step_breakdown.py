@@ -1,7 +1,8 @@
-"""benchmarks/md_breakdown.py and benchmarks/dispatch_floor.py run end to end on the CPU, in this process.
+"""benchmarks/md_breakdown.py, md_interleaved.py and dispatch_floor.py run end to end on the CPU, in this process.
 
 Each checks its runs against each other before it times them (dispatch_floor: every row gives 2 x;
-md_breakdown: the bridge's and native's steps come from md_step.py, whose forces the smoke test checks).
+md_breakdown: the bridge's and native's steps come from md_step.py, whose forces the smoke test checks;
+md_interleaved: the first-step forces of both sides, which it stops on when they differ).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import dispatch_floor  # noqa: E402
 import md_breakdown  # noqa: E402
+import md_interleaved  # noqa: E402
 
 
 def test_md_breakdown_smoke_has_every_run(tmp_path):
@@ -21,6 +23,15 @@ def test_md_breakdown_smoke_has_every_run(tmp_path):
     text = (tmp_path / "md_breakdown.md").read_text()
     for run in ("| native |", "| bridge |", "| op alone, native rows |", "| op alone, bridge rows |"):
         assert run in text, run
+
+
+def test_md_interleaved_smoke_times_both_sides_in_both_ways(tmp_path):
+    assert md_interleaved.main(["--platform", "cpu", "--smoke", "--kernels", "torch-cells", "--out", str(tmp_path)]) == 0
+    rows = [r for r in (tmp_path / "md_interleaved.md").read_text().splitlines() if r.startswith("| - | torch-cells |")]
+    assert len(rows) == 1
+    cells = [c.strip() for c in rows[0].split("|")[1:-1]]
+    assert all(float(cells[i]) > 0 for i in (3, 4, 6, 7)) and cells[5].endswith("x") and cells[8].endswith("x")
+    assert float(cells[9]) < 1e-4  # the first-step forces, bridge against native
 
 
 def test_dispatch_floor_smoke_gives_each_component(tmp_path):

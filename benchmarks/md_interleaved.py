@@ -1,0 +1,98 @@
+"""MD steps on one device, native torch and the bridge taking turns (steady ratios on a noisy machine).
+
+    PYTHONPATH=. python3 benchmarks/md_interleaved.py --out OUTDIR [--cells 14,22,35]
+        [--kernels torch-cells,triton] [--rounds 20] [--steps 20] [--label after] [--smoke]
+
+The steps are `md_step.py`'s velocity Verlet on LJ argon (8.5 A cutoff, skin 1 A, headroom 1.0;
+native: the torch op on the one-device halo rows, `index_add_` fold, Verlet in torch; bridge: one
+jitted program per step). `md_step.py` and `md_breakdown.py` time each run in a block of its own,
+and blocks drifted on the GPU machine by more than the 0-10 % looked for at 10^4 atoms. Here
+every round runs, in turns, one synchronised step of each side, then a pipelined block of
+`--steps` steps of each side (issued back to back, one synchronisation at the end: what an MD
+loop does), and the medians over the rounds give the ratios. The first-step forces of the
+bridge are checked against native's (a mismatch stops the run).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import _common as cm
+import md_step
+import numpy as np
+
+CELLS = [14, 22, 35]  # 10976, 42592 and 171500 argon atoms
+SMOKE_CELLS = [2]
+KERNELS = ("torch-cells", "triton", "torch")
+
+
+def block(step, sync, steps: int):
+    """`steps` steps issued back to back, then one synchronisation (a pipelined run)."""
+
+    def run():
+        out = None
+        for _ in range(steps):
+            out = step()
+        return out
+
+    return run, sync
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = cm.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--cells", default=None, help="cubic cells per axis, comma list (default 14,22,35)")
+    p.add_argument("--kernels", default="torch-cells,triton", help=f"comma list of {', '.join(KERNELS)}")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--rounds", type=int, default=None, help="rounds (default 20, smoke 2)")
+    p.add_argument("--steps", type=int, default=None, help="steps per pipelined block (default 20, smoke 2)")
+    p.add_argument("--skin", type=float, default=1.0)
+    p.add_argument("--label", default="", help="a tag for the rows (e.g. the version measured)")
+    a = p.parse_args(argv)
+    platform = cm.setup(a.platform)
+    import jax
+    import torch
+
+    cells = [int(c) for c in a.cells.split(",")] if a.cells else (SMOKE_CELLS if a.smoke else CELLS)
+    rounds = a.rounds or (2 if a.smoke else 20)
+    steps = a.steps or (2 if a.smoke else 20)
+    kernels = [k for k in a.kernels.split(",") if k]
+    if bad := sorted(set(kernels) - set(KERNELS)):
+        raise SystemExit(f"md_interleaved: unknown --kernels {bad}; choose from {', '.join(KERNELS)}.")
+    dev = torch.device("cuda", 0) if platform == "gpu" else torch.device("cpu")
+    torch_sync = (lambda _: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda _: None)
+    settings = {"dtype": a.dtype, "cutoff": f"{md_step.SMOKE_CUTOFF} A (smoke)" if a.smoke else "8.5 A",
+                "plan": f"HaloPlan headroom 1.0, skin {a.skin} A, built once",
+                "timing": (f"median of {rounds} rounds after 2 warm-up rounds; each round, in turns: one step of "
+                           f"each side followed by a synchronisation, then {steps} steps of each side back to back "
+                           "and one synchronisation (wall clock)"),
+                "label": a.label or "-"}
+    rep = cm.Report("md_interleaved", "MD step, native and bridge in turns, one device", a.out,
+                    cm.context(platform), settings)
+    rows = rep.table("Per step", ["label", "kernel", "atoms", "native synced ms", "bridge synced ms",
+                                  "bridge/native (synced)", "native pipelined ms", "bridge pipelined ms",
+                                  "bridge/native (pipelined)", "first-step max |dF| / max |F|"])
+    for kernel in kernels:
+        for c in cells:
+            case = md_step.make_case("lj", kernel, c, md_step.SMOKE_CUTOFF if a.smoke else None)
+            with rep.section(f"{kernel}/{case.n} atoms"):
+                t_step, f_nat, _, _ = md_step.torch_stepper(case, a.dtype, dev, a.skin)
+                b_step, f_br, _, _ = md_step.bridge_stepper(case, 1, a.dtype, a.skin)
+                f_nat = f_nat.double().cpu().numpy()
+                err = float(np.abs(f_br - f_nat).max() / max(np.abs(f_nat).max(), 1e-30))
+                if err > (1e-4 if a.dtype == "float32" else 1e-10):
+                    raise AssertionError(f"{kernel}, {case.n} atoms: first-step forces differ by {err:.1e}")
+                runs = {"native": (t_step, torch_sync), "bridge": (b_step, jax.block_until_ready),
+                        "native block": block(t_step, torch_sync, steps),
+                        "bridge block": block(b_step, jax.block_until_ready, steps)}
+                t = {k: cm.med(v) for k, v in cm.time_interleaved(runs, warmup=2, iters=rounds).items()}
+                tn, tb = t["native"], t["bridge"]
+                pn, pb = t["native block"] / steps, t["bridge block"] / steps
+                rep.row(rows, [a.label or "-", kernel, case.n, cm.ms(tn), cm.ms(tb), f"{tn / tb:.3f}x",
+                               cm.ms(pn), cm.ms(pb), f"{pn / pb:.3f}x", f"{err:.1e}"])
+                del runs, t_step, b_step
+    rep.note("bridge/native > 1: the bridge is faster. Issue 15's target: >= 1.0x from 10^4 atoms.")
+    return rep.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
