@@ -13,7 +13,10 @@ stress, which native leaves out), where the version measured has the first.
 The model and structures are mace_one_gpu.py's (random ScaleShiftMACE, TorchScript on,
 rattled fcc Cu/Au of reps^3 x 4 atoms). `--label` tags the rows, so runs of two versions
 of the package (each from its own checkout) can share one table. Every bridge result is
-checked against native (energy, forces) and a mismatch marks the row. `--profile` adds, per
+checked against native (energy, forces) and a mismatch marks the row. Peak GPU memory of one call
+after the timing: native, torch's `max_memory_allocated`; the bridge's E+F, torch's (the stage ops'
+intermediates) plus JAX's `peak_bytes_in_use` (the process peak so far: it cannot be reset; JAX holds
+only the block's arrays and gradients, MiB against torch's GiB). `--profile` adds, per
 size, three calls of each side under `torch.profiler` and what the bridge's E+F runs beyond
 native's, by name: kernels (count and device time per call) and torch CPU ops (count per
 call; on a GPU the stage ops run on the calling thread, so the profiler sees them).
@@ -48,6 +51,18 @@ def profile_by_name(call, sync, calls: int = 3) -> tuple[dict, dict, dict]:
         elif e.name.startswith("aten::"):
             cpu_ops[e.name] += 1 / calls
     return n_kernels, device_s, cpu_ops
+
+
+def peak_memory(run, platform: str) -> tuple[float, float]:
+    """(torch's peak bytes, JAX's process peak bytes so far) over one call of `run` (`(fn, sync)`); NaN on a CPU."""
+    import mace_one_gpu as base
+    import torch
+
+    fn, sync = run
+    base.reset_torch_peak(platform)
+    sync(fn())
+    return (float(torch.cuda.max_memory_allocated(0)) if platform == "gpu" else float("nan"),
+            base.jax_peak(platform))
 
 
 def extra_rows(bridge: tuple[dict, dict, dict], native: tuple[dict, dict, dict], top: int = 12) -> list[list[str]]:
@@ -96,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                     cm.context(platform), settings)
     rows = rep.table("Energy + forces per call", ["label", "dtype", "atoms", "rows (owned + ghost)", "native E+F ms",
                                                   "bridge E+F ms", "bridge/native", "bridge E+F+dE/dstrain ms",
-                                                  "bridge/native", "parity (dE/E, max dF)"])
+                                                  "bridge/native", "parity (dE/E, max dF)",
+                                                  "peak GiB: native / bridge (torch + JAX)", "mem / native"])
     for dtype in [d for d in a.dtypes.split(",") if d]:
         tdt = getattr(torch, dtype)
         model = base.build_model(random_mace, tdt, cfg, True).to(dev)
@@ -126,10 +142,15 @@ def main(argv: list[str] | None = None) -> int:
                 ok = de <= tol_e and df <= tol_f
                 tn, ts = cm.med(times["native"]), cm.med(times["bridge+strain"])
                 tb = cm.med(times["bridge"]) if "bridge" in times else float("nan")
+                mem_n = peak_memory(runs["native"], platform)[0]
+                mem_b = peak_memory(runs.get("bridge", runs["bridge+strain"]), platform)
                 r = state.rows_per_device()[0]
                 rep.row(rows, [a.label or "-", dtype, len(atoms), f"{r['owned']} + {r['ghost']}", cm.ms(tn),
                                cm.ms(tb) if tb == tb else "-", f"{tn / tb:.3f}x" if tb == tb else "-", cm.ms(ts),
-                               f"{tn / ts:.3f}x", f"{de:.1e}, {df:.1e}" + ("" if ok else " MISMATCH")])
+                               f"{tn / ts:.3f}x", f"{de:.1e}, {df:.1e}" + ("" if ok else " MISMATCH"),
+                               f"{mem_n / 2**30:.3g} / {mem_b[0] / 2**30:.3g} + {mem_b[1] / 2**30:.2g}"
+                               if platform == "gpu" else "n/a (CPU)",
+                               f"{sum(mem_b) / mem_n:.2f}" if platform == "gpu" else "-"])
                 if not ok:
                     raise AssertionError(f"{len(atoms)} atoms {dtype}: bridge vs native dE/E {de:.1e}, max dF {df:.1e}")
                 if a.profile:
