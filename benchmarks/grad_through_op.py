@@ -1,6 +1,7 @@
 """Energy + forces of an autograd-force torch function through the bridge against native `autograd.grad`.
 
     PYTHONPATH=. python3 benchmarks/grad_through_op.py --out OUTDIR [--smoke] [--sizes 1000,10000] [--profile]
+        [--timeline]
 
 The function is what a message-passing model's energy looks like to autograd: a Lennard-Jones
 energy summed over a fixed edge list (positions (N, 3) and edges (E, 2) in, a scalar out), with
@@ -12,11 +13,16 @@ per energy + forces (native: 1) and gives bridge/native throughput (target >= 0.
 adds, per size, 30 back-to-back calls of each side under `torch.profiler` (CUPTI sees XLA's kernels
 too): kernels per call (the function's, XLA's), device busy time per call by source, host
 synchronisations per call, and the wall time of a call in that loop (`md_breakdown.profile`).
+`--timeline` adds, per size, where a call's host time goes (medians of the calls, in turns): until the
+torch function starts, in it, from its end until the call returns, and the synchronisation, for the
+energy alone and energy + forces of each side, and for a jitted XLA program with no torch in it (JAX's
+own cost of a call on this machine).
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
 import _common as cm
 import numpy as np
@@ -62,6 +68,61 @@ def profile_calls(call, sync, calls: int) -> dict:
     return md_breakdown.profile(call, sync, calls)
 
 
+def timeline_runs(fn, kernels: dict, x_t, e_t, x_j, e_j, torch_sync, warmup: int, iters: int) -> dict:
+    """`timeline` of the energy alone and energy + forces, native and through the first bridge path, and XLA alone."""
+    import jax
+    import torch
+
+    from nvalchemi_jaxbridge.kernels.torch_fn import torch_function
+
+    marks: list[tuple[float, float]] = []
+
+    def marked(x, e):
+        t0 = time.perf_counter()
+        out = fn(x, e)
+        marks.append((t0, time.perf_counter()))
+        return out
+
+    def native_ef():
+        x = x_t.detach().requires_grad_(True)
+        (g,) = torch.autograd.grad(marked(x, e_t).sum(), x)
+        return g
+
+    path = next(iter(kernels)).split("(")[1].rstrip(")")
+    k = torch_function(marked, 2, 1, label=f"lj_edges_timeline_{path}", call_path=path)
+    energy = jax.jit(lambda x, ed: k(x, ed)[0])
+    both = jax.jit(jax.value_and_grad(lambda x, ed: k(x, ed)[0]))
+    xla = jax.jit(lambda x, ed: (2 * x).sum())
+    runs = {"native E": (lambda: marked(x_t, e_t), torch_sync), "native E+F": (native_ef, torch_sync),
+            f"bridge ({path}) E": (lambda: energy(x_j, e_j), jax.block_until_ready),
+            f"bridge ({path}) E+F": (lambda: both(x_j, e_j), jax.block_until_ready),
+            "XLA alone: jit((2 * x).sum())": (lambda: xla(x_j, e_j), jax.block_until_ready)}
+    return timeline(runs, marks, warmup=warmup, iters=iters)
+
+
+def timeline(runs: dict, marks: list, *, warmup: int, iters: int) -> dict[str, list[float]]:
+    """Per run (`(fn, sync)`, in turns): median seconds [total, until the function, in it, until return, sync].
+
+    `marks` is the list the timed torch function appends `(start, end)` to; a run that never calls it
+    (an XLA program) counts its whole call as "until return".
+    """
+    for _ in range(warmup):
+        for fn, sync in runs.values():
+            sync(fn())
+    phases: dict[str, list[list[float]]] = {name: [] for name in runs}
+    for _ in range(iters):
+        for name, (fn, sync) in runs.items():
+            marks.clear()
+            t0 = time.perf_counter()
+            out = fn()
+            t1 = time.perf_counter()
+            sync(out)
+            t2 = time.perf_counter()
+            f0, f1 = marks[0] if marks else (t0, t0)
+            phases[name].append([t2 - t0, f0 - t0, f1 - f0, t1 - f1, t2 - t1])
+    return {name: list(np.median(np.array(v), axis=0)) for name, v in phases.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = cm.base_parser(__doc__.splitlines()[0])
     p.add_argument("--sizes", default=None, help=f"atoms, comma list (default {','.join(map(str, SIZES))})")
@@ -70,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paths", default="ffi,callback", help="bridge call paths, comma list")
     p.add_argument("--label", default="", help="a tag for the rows (e.g. the package version measured)")
     p.add_argument("--profile", action="store_true", help="also profile each side (torch.profiler, 30 calls)")
+    p.add_argument("--timeline", action="store_true", help="also split a call's host time into phases")
     a = p.parse_args(argv)
     platform = cm.setup(a.platform)
     import jax
@@ -95,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         prof_rows = rep.table("Per E+F under the profiler (30 calls back to back)", [
             "label", "atoms", "run", "wall ms per call", "device busy ms: function / xla / copy", "kernels: function / xla",
             "host syncs (waiting ms)"])
+    time_rows = None
+    if a.timeline:
+        time_rows = rep.table("Where a call's host time goes (us, medians)", [
+            "label", "atoms", "run", "total", "until the function", "function", "until return", "sync"])
     for n in sizes:
         with rep.section(f"{n} atoms"):
             pos, edges = edge_list(n)
@@ -134,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
                 err = float(np.abs(-np.asarray(g) - f_ref).max() / max(np.abs(f_ref).max(), 1e-30))
                 rep.row(rows, [a.label or "-", n, len(edges), run, counter[0], cm.ms(t),
                                f"{t_native / t:.2f}x", reads, f"{err:.1e}"])
+            if time_rows is not None:
+                for run, ph in timeline_runs(fn, kernels, x_t, e_t, x_j, e_j, torch_sync, warmup, iters).items():
+                    rep.row(time_rows, [a.label or "-", n, run, *(f"{1e6 * v:.0f}" for v in ph)])
             profiled = [(run, fn_, sync) for run, (fn_, sync) in runs.items()]
             for run, call, done in profiled if prof_rows is not None else ():
                 pr = profile_calls(call, done, 30)

@@ -1,8 +1,10 @@
-"""benchmarks/md_breakdown.py, md_interleaved.py and dispatch_floor.py run end to end on the CPU, in this process.
+"""benchmarks/md_breakdown.py, md_interleaved.py, dispatch_floor.py and grad_through_op.py run end to end on the
+CPU, in this process.
 
 Each checks its runs against each other before it times them (dispatch_floor: every row gives 2 x;
 md_breakdown: the bridge's and native's steps come from md_step.py, whose forces the smoke test checks;
-md_interleaved: the first-step forces of both sides, which it stops on when they differ).
+md_interleaved: the first-step forces of both sides, which it stops on when they differ; grad_through_op:
+the bridge's forces against native autograd's, and how many forwards an energy + forces ran).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import dispatch_floor  # noqa: E402
+import grad_through_op  # noqa: E402
 import md_breakdown  # noqa: E402
 import md_interleaved  # noqa: E402
 
@@ -32,6 +35,21 @@ def test_md_interleaved_smoke_times_both_sides_in_both_ways(tmp_path):
     cells = [c.strip() for c in rows[0].split("|")[1:-1]]
     assert all(float(cells[i]) > 0 for i in (3, 4, 6, 7)) and cells[5].endswith("x") and cells[8].endswith("x")
     assert float(cells[9]) < 1e-4  # the first-step forces, bridge against native
+
+
+def test_grad_through_op_smoke_runs_one_forward_and_splits_a_call(tmp_path):
+    args = ["--platform", "cpu", "--smoke", "--paths", "ffi", "--timeline", "--out", str(tmp_path)]
+    assert grad_through_op.main(args) == 0
+    lines = (tmp_path / "grad_through_op.md").read_text().splitlines()
+    bridge = [c.strip() for c in next(r for r in lines if "| bridge (ffi) |" in r).split("|")[1:-1]]
+    assert bridge[4] == "1" and float(bridge[8]) < 1e-5  # one forward per E+F; forces as native's
+    phases = {r.split("|")[3].strip(): [float(c) for c in r.split("|")[4:9]] for r in lines
+              if r.startswith("| - | 200 |") and len(r.split("|")) == 10}
+    assert set(phases) == {"native E", "native E+F", "bridge (ffi) E", "bridge (ffi) E+F",
+                           "XLA alone: jit((2 * x).sum())"}
+    for total, *parts in phases.values():
+        assert total > 0 and all(p >= 0 for p in parts)
+    assert phases["XLA alone: jit((2 * x).sum())"][2] == 0  # no torch function in it
 
 
 def test_dispatch_floor_smoke_gives_each_component(tmp_path):
