@@ -9,8 +9,11 @@ jitted program per step). `md_step.py` and `md_breakdown.py` time each run in a 
 and blocks drifted on the GPU machine by more than the 0-10 % looked for at 10^4 atoms. Here
 every round runs, in turns, one synchronised step of each side, then a pipelined block of
 `--steps` steps of each side (issued back to back, one synchronisation at the end: what an MD
-loop does), and the medians over the rounds give the ratios. The first-step forces of the
-bridge are checked against native's (a mismatch stops the run).
+loop does), and the medians over the rounds give the ratios. A third run, "bridge loop", issues
+the same `--steps` steps as one program (`lax.fori_loop` over the step: one dispatch per block, as
+JAX MD codes run), its own trajectory from the same start. The first-step forces of the bridge
+are checked against native's (a mismatch stops the run), and the loop's positions after one
+block against as many steps of the step program.
 """
 
 from __future__ import annotations
@@ -36,6 +39,38 @@ def block(step, sync, steps: int):
         return out
 
     return run, sync
+
+
+def check_loop(b_step, info: dict, loop, steps: int) -> float:
+    """Max |dx| (A) between one block of the loop and `steps` calls of the step program, both from the start."""
+    for _ in range(steps):
+        b_step()
+    x_steps = np.asarray(info["args"]()[1])
+    x_loop = np.asarray(loop[0]())
+    return float(np.abs(x_loop - x_steps).max())
+
+
+def looped(info: dict, steps: int):
+    """`(run, sync)`: `steps` of the bridge's step program as one jitted `lax.fori_loop`, its own state."""
+    import jax
+
+    prog = info["program"]
+    cs, x, v, f, q = info["args"]()
+
+    @jax.jit
+    def loop(cs, x, v, f, q):
+        def body(_, c):
+            return prog(cs, *c, q)[:3]
+
+        return jax.lax.fori_loop(0, steps, body, (x, v, f))
+
+    state = [x, v, f]
+
+    def run():
+        state[:] = loop(cs, *state, q)
+        return state[0]
+
+    return run, jax.block_until_ready
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,25 +105,32 @@ def main(argv: list[str] | None = None) -> int:
                     cm.context(platform), settings)
     rows = rep.table("Per step", ["label", "kernel", "atoms", "native synced ms", "bridge synced ms",
                                   "bridge/native (synced)", "native pipelined ms", "bridge pipelined ms",
-                                  "bridge/native (pipelined)", "first-step max |dF| / max |F|"])
+                                  "bridge/native (pipelined)", f"bridge loop ms ({steps} steps per program)",
+                                  "bridge loop/native", "max |dF| / max |F| first step; loop max |dx| (A)"])
     for kernel in kernels:
         for c in cells:
             case = md_step.make_case("lj", kernel, c, md_step.SMOKE_CUTOFF if a.smoke else None)
             with rep.section(f"{kernel}/{case.n} atoms"):
                 t_step, f_nat, _, _ = md_step.torch_stepper(case, a.dtype, dev, a.skin)
-                b_step, f_br, _, _ = md_step.bridge_stepper(case, 1, a.dtype, a.skin)
+                b_step, f_br, _, b_info = md_step.bridge_stepper(case, 1, a.dtype, a.skin)
+                loop = looped(b_info, steps)
+                loop_err = check_loop(b_step, b_info, loop, steps)
+                if loop_err > (1e-3 if a.dtype == "float32" else 1e-9):
+                    raise AssertionError(f"{kernel}, {case.n} atoms: {steps} looped steps move atoms {loop_err:.1e} A "
+                                         "away from as many step calls")
                 f_nat = f_nat.double().cpu().numpy()
                 err = float(np.abs(f_br - f_nat).max() / max(np.abs(f_nat).max(), 1e-30))
                 if err > (1e-4 if a.dtype == "float32" else 1e-10):
                     raise AssertionError(f"{kernel}, {case.n} atoms: first-step forces differ by {err:.1e}")
                 runs = {"native": (t_step, torch_sync), "bridge": (b_step, jax.block_until_ready),
                         "native block": block(t_step, torch_sync, steps),
-                        "bridge block": block(b_step, jax.block_until_ready, steps)}
+                        "bridge block": block(b_step, jax.block_until_ready, steps), "bridge loop": loop}
                 t = {k: cm.med(v) for k, v in cm.time_interleaved(runs, warmup=2, iters=rounds).items()}
                 tn, tb = t["native"], t["bridge"]
-                pn, pb = t["native block"] / steps, t["bridge block"] / steps
+                pn, pb, pl = t["native block"] / steps, t["bridge block"] / steps, t["bridge loop"] / steps
                 rep.row(rows, [a.label or "-", kernel, case.n, cm.ms(tn), cm.ms(tb), f"{tn / tb:.3f}x",
-                               cm.ms(pn), cm.ms(pb), f"{pn / pb:.3f}x", f"{err:.1e}"])
+                               cm.ms(pn), cm.ms(pb), f"{pn / pb:.3f}x", cm.ms(pl), f"{pn / pl:.3f}x",
+                               f"{err:.1e}, {loop_err:.1e}"])
                 del runs, t_step, b_step
     rep.note("bridge/native > 1: the bridge is faster. Issue 15's target: >= 1.0x from 10^4 atoms.")
     return rep.finish()
