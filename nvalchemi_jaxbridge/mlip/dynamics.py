@@ -1,10 +1,11 @@
-"""NVE molecular dynamics of a distributed MLIP: one step (model, exchanges, integrator) is one program.
+"""NVE molecular dynamics of a distributed MLIP: the steps between two checks are one program.
 
-The state lives in owned storage on the mesh. Every `check_every` steps the
-positions come back to the host once to test the layout's rebuild criterion
-(an atom moved more than skin/2); a rebuilt layout re-lays positions,
-velocities and forces out in the new owned storage (capacities kept or grown).
-Units: Å, fs, amu, eV.
+The state lives in owned storage on the mesh. A stretch of up to `check_every`
+steps (model, exchanges, integrator; a `lax.fori_loop` over the step) is one
+dispatch; then the positions come back to the host once to test the layout's
+rebuild criterion (an atom moved more than skin/2); a rebuilt layout re-lays
+positions, velocities and forces out in the new owned storage (capacities kept
+or grown). Units: Å, fs, amu, eV.
 """
 
 from __future__ import annotations
@@ -21,19 +22,20 @@ from ..demo.md import MDState, kinetic_energy, verlet_step
 from .jax_model import DistributedMLIP, ModelState
 
 
-def _step_fn(model: DistributedMLIP) -> Callable[..., tuple[MDState, jax.Array]]:
-    """`step(layout, md, masses, reference, dt) -> (md, moved_too_far)`: one velocity Verlet step, jitted.
+def _chunk_fn(model: DistributedMLIP) -> Callable[..., tuple[MDState, jax.Array]]:
+    """`chunk(layout, md, masses, reference, dt, n) -> (md, moved_too_far)`: `n` velocity Verlet steps, one program.
 
-    `moved_too_far` is True when an owned atom ended the step more than skin/2 from
-    the layout's reference position: the block's edges may then miss a pair, so
-    the caller must not keep the step. `dt` is traced: a step of 0 fs (which leaves
-    positions and velocities as they are) gives the first forces from the same
-    compiled program.
+    `moved_too_far` is True when an owned atom ended a step more than skin/2 from
+    the layout's reference position: the block's edges may then have missed a pair,
+    so the caller must not keep the chunk. `dt` is traced and `n` static (one
+    compiled program per chunk length): a chunk of one step of 0 fs (which leaves
+    positions and velocities as they are) gives the first forces from the program
+    of one-step chunks.
     """
     grad = jax.value_and_grad(model.energy_fn, argnums=1, has_aux=True)
     limit = (model.skin / 2) ** 2
 
-    def step(layout: ModelState, md: MDState, masses: jax.Array, reference: jax.Array, dt: float
+    def step(layout: ModelState, md: MDState, masses: jax.Array, reference: jax.Array, dt: jax.Array
              ) -> tuple[MDState, jax.Array]:
         def force_fn(x: jax.Array) -> tuple[jax.Array, jax.Array]:
             (energy, _), g = grad(layout, x, jnp.zeros((3, 3), x.dtype))
@@ -43,13 +45,23 @@ def _step_fn(model: DistributedMLIP) -> Callable[..., tuple[MDState, jax.Array]]
         d = out.positions - reference
         return out, jnp.max(jnp.sum(d * d, axis=1)) > limit
 
-    jitted = jax.jit(step)
+    def chunk(layout: ModelState, md: MDState, masses: jax.Array, reference: jax.Array, dt: jax.Array, n: int
+              ) -> tuple[MDState, jax.Array]:
+        md, moved = step(layout, md, masses, reference, dt)  # the first step gives the carry its energy
 
-    def call(layout: ModelState, md: MDState, masses: jax.Array, reference: jax.Array, dt: float
+        def body(_: int, carry: tuple[MDState, jax.Array]) -> tuple[MDState, jax.Array]:
+            md, flag = step(layout, carry[0], masses, reference, dt)
+            return md, carry[1] | flag
+
+        return jax.lax.fori_loop(1, n, body, (md, moved)) if n > 1 else (md, moved)
+
+    jitted = jax.jit(chunk, static_argnums=5)
+
+    def call(layout: ModelState, md: MDState, masses: jax.Array, reference: jax.Array, dt: float, n: int
              ) -> tuple[MDState, jax.Array]:
-        # the step never reads the energy it is given: leaving it out keeps one compiled program for the
-        # first call (an energy placed by the caller) and every later one (the energy a step returned)
-        return jitted(layout, dataclasses.replace(md, energy=None), masses, reference, dt)
+        # the chunk never reads the energy it is given: leaving it out keeps one compiled program for the
+        # first call (an energy placed by the caller) and every later one (the energy a chunk returned)
+        return jitted(layout, dataclasses.replace(md, energy=None), masses, reference, dt, n)
 
     return call
 
@@ -65,7 +77,9 @@ def nve(model: DistributedMLIP, positions: Any, velocities: Any, masses: Any, nu
         positions, velocities, masses, numbers: `(N, 3)` Å, `(N, 3)` Å/fs, `(N,)` amu, `(N,)`.
         cell, pbc: the box.
         steps, dt: step count and time step (fs).
-        check_every: steps between rebuild checks (host round trip of the positions).
+        check_every: steps between rebuild checks (host round trip of the positions); the steps
+            between two checks are one program (compiled once per chunk length: check_every,
+            its halves after a chunk left the skin, and the run's last, shorter one).
         on_step: called as `on_step(step, positions, energy)` at every check (progress, logging).
         stop_when: called as `stop_when(step, energy, kinetic)` (eV) at every check; True ends the run
             there (e.g. a runaway energy).
@@ -80,7 +94,7 @@ def nve(model: DistributedMLIP, positions: Any, velocities: Any, masses: Any, nu
         raise ValueError(f"nve: need steps >= 0 and check_every >= 1, got steps={steps}, check_every={check_every}.")
     dtype = model._np_dtype()
     layout = model.prepare(positions, numbers, cell, pbc)
-    step = _step_fn(model)
+    chunk_of = _chunk_fn(model)
     m_global = np.asarray(masses, dtype=dtype)
 
     def owned(layout: ModelState, x: np.ndarray, *, positions: bool = False) -> jax.Array:
@@ -93,7 +107,7 @@ def nve(model: DistributedMLIP, positions: Any, velocities: Any, masses: Any, nu
         x_o, v_o = owned(layout, x, positions=True), owned(layout, v)
         reference = owned(layout, layout.plan.reference_positions, positions=True)  # padding parked like x_o
         if f is None:  # a step of 0 fs: the forces at x_o, from the program every later step runs
-            md, _ = step(layout, MDState(x_o, v_o, jnp.zeros_like(x_o), None), m, reference, 0.0)
+            md, _ = chunk_of(layout, MDState(x_o, v_o, jnp.zeros_like(x_o), None), m, reference, 0.0, 1)
             return md, m, reference
         return MDState(x_o, v_o, owned(layout, f), energy), m, reference
 
@@ -107,13 +121,13 @@ def nve(model: DistributedMLIP, positions: Any, velocities: Any, masses: Any, nu
     md, m, ref = start(layout, np.asarray(positions, dtype=np.float64), np.asarray(velocities, dtype=np.float64))
     traj, energies, rebuilds = {0: np.asarray(positions, dtype=np.float64).copy()}, {0: float(md.energy)}, 1
     kinetic = {0: float(kinetic_energy(md.velocities, m))}  # padding rows have zero velocity
+    # chunk lengths: check_every, halved after a chunk that left the skin, back up a rung after one that did
+    # not; a few lengths, so a few compiled programs
+    rungs = sorted({check_every >> k for k in range(check_every.bit_length())})
     done, chunk = 0, check_every
     while done < steps:
         n = min(chunk, steps - done)
-        new, flag = md, False
-        for _ in range(n):
-            new, moved = step(layout, new, m, ref, dt)
-            flag = flag | moved
+        new, flag = chunk_of(layout, md, m, ref, dt, n)
         if bool(flag):  # an atom left the layout's skin inside the chunk: redo it, from a fresh layout
             if n == 1 and layout.plan.max_displacement(layout.cs.to_global(md.positions)) == 0.0:
                 raise ValueError(
@@ -121,9 +135,9 @@ def nve(model: DistributedMLIP, positions: Any, velocities: Any, masses: Any, nu
                     "fresh layout; use a shorter time step or a larger skin (DistributedMLIP(skin=...))."
                 )
             layout, md, m, ref = relayout(layout, md)
-            rebuilds, chunk = rebuilds + 1, max(1, n // 2)
+            rebuilds, chunk = rebuilds + 1, max(r for r in rungs if r <= max(1, n // 2))
             continue
-        md, done, chunk = new, done + n, min(check_every, 2 * chunk)
+        md, done, chunk = new, done + n, min((r for r in rungs if r > chunk), default=check_every)
         x = layout.cs.to_global(md.positions)
         traj[done], energies[done] = x, float(md.energy)
         kinetic[done] = float(kinetic_energy(md.velocities, m))

@@ -1,9 +1,10 @@
 """A 100-step NVE run of the MPNN on 8 devices follows the one-device trajectory (float64).
 
 The reference integrates the same velocity Verlet on one device with the torch
-model and a fresh ASE neighbour list every step; the bridge runs each step as
-one program (model, exchanges and integrator) and rebuilds its layout on the
-skin criterion.
+model and a fresh ASE neighbour list every step; the bridge runs the steps
+between two checks as one program (model, exchanges and integrator in a
+`lax.fori_loop`), redoes a stretch that left the skin in halves, and rebuilds
+its layout on the skin criterion.
 """
 
 from __future__ import annotations
