@@ -29,7 +29,8 @@ from ..torch_op import KernelError
 _log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).with_name("torch_call.cc")
-INCLUDED = tuple(pathlib.Path(__file__).with_name(n) for n in ("plan.cc", "graphs.cc"))  # included by SOURCE
+INCLUDED = tuple(pathlib.Path(__file__).with_name(n) for n in (  # included by SOURCE
+    "autograd_calls.cc", "buffers.cc", "plan.cc", "graphs.cc"))
 LIB_NAME = "jaxbridge_torch_call.so"
 EXPECTED_SECONDS = 15  # first-use build (18-22 s measured on 2 cores, g++ 12); said in the log line and the docs
 FALLBACK = (

@@ -5,15 +5,17 @@
 // named by the call's `plan` attribute. Per call the handler copies the plan's
 // argument stack, wraps XLA's buffers as torch tensors (at::from_blob, no copy),
 // runs the op boxed with grad off (below autograd), and writes each returned tensor into its
-// result buffer. A differentiated call has two plans instead (plan.h): its forward runs the op
-// once under autograd, writes the results and keeps the graph in the plan's table (graphs.h)
+// result buffer. A differentiated call has two plans instead (plan.cc): its forward runs the op
+// once under autograd, writes the results and keeps the graph in the plan's table (graphs.cc)
 // under a token, its last result; its backward takes that graph by token (or re-runs the op
 // under autograd on the saved inputs where it is gone) and writes torch::autograd::grad's input
-// gradients into the results. No Python runs on this side; a Python-implemented op (or backward
-// formula) takes the GIL itself inside torch.
+// gradients into the results (autograd_calls.cc). No Python runs on this side; a Python-implemented
+// op (or backward formula) takes the GIL itself inside torch.
 //
 // Compiled by nvalchemi_jaxbridge/kernels/ffi/build.py, one translation unit with the files it
-// includes (plan.cc, graphs.cc); JB_WITH_CUDA adds the CUDA handler (torch enqueues on XLA's stream).
+// includes (autograd_calls.cc, buffers.cc, plan.cc, graphs.cc); JB_WITH_CUDA adds the CUDA handler
+// (torch enqueues on XLA's stream). This file: the plan registry, the plain call, the error guard and
+// the handler symbols and C entry points.
 
 #include <Python.h>  // first, as Python asks; only to clear an error torch's autograd engine leaves set
 
@@ -26,12 +28,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/core/ivalue.h>
 #include <ATen/core/LegacyTypeDispatch.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
-#include <ATen/ops/where.h>
-#include <c10/core/AutogradState.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/autograd.h>
 
 #include <cerrno>
 #include <cstdint>
@@ -49,7 +46,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#include "plan.cc"  // with graphs.cc: one translation unit
+#include "autograd_calls.cc"  // with buffers.cc, plan.cc and graphs.cc: one translation unit
 
 #ifdef JB_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -61,10 +58,15 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using jb::Graph;
+using jb::arity_error;
+using jb::as_tensor;
 using jb::Mode;
+using jb::not_a_tensor;
 using jb::Plan;
+using jb::run_backward;
+using jb::run_keep;
 using jb::Slot;
+using jb::write_result;
 
 // Plans live as long as the process and are never destroyed, not even at exit: a kept graph may
 // hold Python autograd nodes, which must not be freed after the interpreter has finalised.
@@ -77,85 +79,6 @@ const Plan* find_plan(int64_t id) {
   std::shared_lock<std::shared_mutex> lock(g_plans_mu);
   auto it = g_plans->find(id);
   return it == g_plans->end() ? nullptr : it->second.get();
-}
-
-// ---------------------------------------------------------------- buffers as tensors
-
-bool scalar_type_of(ffi::DataType t, c10::ScalarType* out) {
-  switch (t) {
-    case ffi::DataType::PRED: *out = c10::ScalarType::Bool; return true;
-    case ffi::DataType::S8: *out = c10::ScalarType::Char; return true;
-    case ffi::DataType::S16: *out = c10::ScalarType::Short; return true;
-    case ffi::DataType::S32: *out = c10::ScalarType::Int; return true;
-    case ffi::DataType::S64: *out = c10::ScalarType::Long; return true;
-    case ffi::DataType::U8: *out = c10::ScalarType::Byte; return true;
-    case ffi::DataType::U16: *out = c10::ScalarType::UInt16; return true;
-    case ffi::DataType::U32: *out = c10::ScalarType::UInt32; return true;
-    case ffi::DataType::U64: *out = c10::ScalarType::UInt64; return true;
-    case ffi::DataType::F16: *out = c10::ScalarType::Half; return true;
-    case ffi::DataType::BF16: *out = c10::ScalarType::BFloat16; return true;
-    case ffi::DataType::F32: *out = c10::ScalarType::Float; return true;
-    case ffi::DataType::F64: *out = c10::ScalarType::Double; return true;
-    case ffi::DataType::C64: *out = c10::ScalarType::ComplexFloat; return true;
-    case ffi::DataType::C128: *out = c10::ScalarType::ComplexDouble; return true;
-    default: return false;
-  }
-}
-
-at::Tensor as_tensor(const ffi::AnyBuffer& b, c10::Device device, const Plan& plan, const char* what,
-                     size_t k) {
-  c10::ScalarType st;
-  if (!scalar_type_of(b.element_type(), &st)) {
-    std::ostringstream os;
-    os << "op " << plan.name << ": FFI " << what << " " << k << " has XLA element type "
-       << static_cast<int>(b.element_type()) << ", which torch has no equivalent for";
-    throw std::invalid_argument(os.str());
-  }
-  auto dims = b.dimensions();
-  std::vector<int64_t> sizes(dims.begin(), dims.end());
-  auto options = at::TensorOptions().dtype(st).device(device);
-  if (b.element_count() == 0) {
-    return at::empty(sizes, options);  // XLA may hand a null pointer for an empty buffer
-  }
-  // target_device: the device is known, so torch need not ask the driver about the pointer
-  return at::for_blob(b.untyped_data(), sizes).options(options).target_device(device).make_tensor();
-}
-
-std::string describe(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes() << " " << c10::toString(t.scalar_type());
-  return os.str();
-}
-
-ffi::Error arity_error(const Plan& plan, const char* what, size_t n_args, size_t n_rets) {
-  std::ostringstream os;
-  os << "op " << plan.name << " (" << what << "): got " << n_args << " argument and " << n_rets
-     << " result buffer(s), the plan expects " << plan.n_args << " and " << plan.n_results
-     << "; this is a bug in nvalchemi_jaxbridge (the plan and the ffi_call disagree), please report it";
-  return ffi::Error::Internal(os.str());
-}
-
-ffi::Error not_a_tensor(const Plan& plan, size_t j, const c10::IValue& v) {
-  std::ostringstream os;
-  os << "op " << plan.name << ": return " << j << " is a " << v.tagKind()
-     << ", not a Tensor; fix the op's implementation to return Tensors as its schema declares";
-  return ffi::Error::Internal(os.str());
-}
-
-// The op's result `j` written into XLA's result buffer `want` (unless the op wrote it there itself).
-ffi::Error write_result(const Plan& plan, size_t j, const at::Tensor& got, at::Tensor& want) {
-  if (got.sizes() != want.sizes() || got.scalar_type() != want.scalar_type()) {
-    std::ostringstream os;
-    os << "op " << plan.name << ": return " << j << " is " << describe(got) << " but JAX expected "
-       << describe(want) << " (from the op's fake implementation); its register_fake disagrees with "
-       << "its real implementation. Make the function registered with register_fake return the "
-       << "shapes and dtypes the op really returns";
-    return ffi::Error::InvalidArgument(os.str());
-  }
-  if (want.numel() != 0 && got.data_ptr() != want.data_ptr()) {
-    want.copy_(got);  // the op allocated its result: one copy on the current stream
-  }
-  return ffi::Error::Success();
 }
 
 ffi::Error run_plan(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device) {
@@ -197,192 +120,6 @@ ffi::Error run_plan(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRet
     if (!stack[j].isTensor()) return not_a_tensor(plan, j, stack[j]);
     ffi::Error err = write_result(plan, j, stack[j].toTensor(), outs[j]);
     if (err.failure()) return err;
-  }
-  return ffi::Error::Success();
-}
-
-// The op under autograd from the top of the dispatcher (its autograd kernel, a register_autograd
-// formula or a composite's decomposition, records the graph) on the FFI arguments of a
-// differentiated call's plan. The inputs are cloned where `keep` (the graph outlives XLA's
-// buffers) and else only where the op mutates them (never into XLA's buffer); the differentiated
-// ones are leaves. Fills `graph` and `results` (returns, then mutated arguments).
-ffi::Error run_autograd(const Plan& plan, ffi::RemainingArgs args, c10::Device device, bool keep, Graph& graph,
-                        std::vector<at::Tensor>& results) {
-  at::AutoGradMode grad_on(true);
-  std::vector<c10::IValue> stack = plan.stack;
-  graph.leaves.assign(plan.n_leaves, at::Tensor());
-  std::vector<at::Tensor> mutated;
-  for (const Slot& s : plan.slots) {
-    auto a = args.get<ffi::AnyBuffer>(s.index);
-    if (a.has_error()) return a.error();
-    at::Tensor t = as_tensor(*a, device, plan, "argument", s.index);
-    if (keep || s.cloned) t = t.clone();
-    if (s.leaf >= 0) {
-      t.requires_grad_(true);
-      graph.leaves[s.leaf] = t;
-      if (s.cloned) t = t.clone();  // in-place writes into a leaf are not allowed
-    }
-    if (s.cloned) mutated.push_back(t);
-    stack[s.stack_pos] = t;
-  }
-  plan.op.callBoxed(stack);
-  if (stack.size() != plan.n_returns) {
-    std::ostringstream os;
-    os << "op " << plan.name << " returned " << stack.size() << " value(s) under autograd, its schema declares "
-       << plan.n_returns << "; fix the op's implementation to match its schema";
-    return ffi::Error::Internal(os.str());
-  }
-  results.clear();
-  for (size_t j = 0; j < plan.n_returns; ++j) {
-    if (!stack[j].isTensor()) return not_a_tensor(plan, j, stack[j]);
-    results.push_back(stack[j].toTensor());
-  }
-  results.insert(results.end(), mutated.begin(), mutated.end());
-  graph.outputs.clear();
-  for (size_t r : plan.outputs) {
-    const at::Tensor& res = results.at(r);
-    graph.outputs.push_back(res.requires_grad() ? res : at::Tensor());  // no graph: its cotangent adds nothing
-  }
-  return ffi::Error::Success();
-}
-
-// Where a token buffer sits in this run: the graph table files graphs under it (graphs.cc).
-jb::TokenSite site_of(int64_t run, c10::Device device, const ffi::AnyBuffer& token) {
-  return jb::TokenSite{run, static_cast<int32_t>(device.index()), reinterpret_cast<uintptr_t>(token.untyped_data())};
-}
-
-// The token (salt, serial) as the one int64 its int32 (2,) buffer holds (the salt first: little-endian), so
-// that writing it and checking it are one kernel each.
-static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the graph token's int64 view assumes little-endian");
-int64_t token_word(int32_t salt, int32_t serial) {
-  return static_cast<int64_t>((static_cast<uint64_t>(static_cast<uint32_t>(serial)) << 32) |
-                              static_cast<uint64_t>(static_cast<uint32_t>(salt)));
-}
-
-// The token buffer (int32 (2,)) viewed as its one int64 word, 0-d.
-at::Tensor token_word_view(const at::Tensor& token) { return token.view(c10::ScalarType::Long).reshape({}); }
-
-// The gradient `got` written into XLA's buffer `want`: NaN instead where `mismatch` (a 0-d device bool;
-// undefined: no check) is true, i.e. the graph found by its token's site was not the token's. Never seen:
-// it would take XLA copying one forward's token into the buffer of another's, and then the gradient must
-// not pass for a right one. One kernel (the NaN is the table's, on the device already); `got` undefined:
-// zeros (the input does not reach the differentiated results).
-void write_gradient(jb::GraphTable& table, const at::Tensor& mismatch, const at::Tensor& got, at::Tensor& want) {
-  const at::Tensor value = got.defined() ? got : want.zero_();
-  if (!mismatch.defined()) {
-    if (got.defined()) want.copy_(got);
-    return;
-  }
-  at::where_out(want, mismatch, table.nan_on(want.device(), want.scalar_type()), value);
-}
-
-// A differentiated call's forward: the op once under autograd, its results (returns, then mutated
-// arguments) into XLA's buffers, and the graph kept in the plan's table under the token written last.
-ffi::Error run_keep(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device,
-                    int64_t run) {
-  if (args.size() != plan.n_args || rets.size() != plan.n_results) {
-    return arity_error(plan, "FFI differentiated call", args.size(), rets.size());
-  }
-  Graph graph;
-  std::vector<at::Tensor> results;
-  ffi::Error err = run_autograd(plan, args, device, /*keep=*/true, graph, results);
-  if (err.failure()) return err;
-  at::NoGradGuard no_grad;
-  for (size_t j = 0; j < results.size(); ++j) {
-    auto b = rets.get<ffi::AnyBuffer>(j);
-    if (b.has_error()) return b.error();
-    at::Tensor want = as_tensor(**b, device, plan, "result", j);
-    err = write_result(plan, j, results[j], want);
-    if (err.failure()) return err;
-  }
-  auto b = rets.get<ffi::AnyBuffer>(plan.n_results - 1);
-  if (b.has_error()) return b.error();
-  at::Tensor want = as_tensor(**b, device, plan, "result", plan.n_results - 1);
-  const auto token = plan.graphs->keep(std::move(graph), site_of(run, device, **b));
-  token_word_view(want).fill_(token_word(token.first, token.second));  // a fill, not a copy from the host: no sync
-  return ffi::Error::Success();
-}
-
-// torch's autograd engine on the calling thread (XLA's, on XLA's stream already) for as long as it lives,
-// instead of handing a CUDA graph to its per-device worker thread and waiting: that hop cost 0.4 ms more
-// per backward here than in plain torch on an H200 (benchmarks/RESULTS.md, "autograd on XLA's thread").
-class SameThreadAutograd {
- public:
-  SameThreadAutograd() : before_(c10::AutogradState::get_tls_state().get_multithreading_enabled()) {
-    c10::AutogradState::get_tls_state().set_multithreading_enabled(false);
-  }
-  ~SameThreadAutograd() { c10::AutogradState::get_tls_state().set_multithreading_enabled(before_); }
-  SameThreadAutograd(const SameThreadAutograd&) = delete;
-  SameThreadAutograd& operator=(const SameThreadAutograd&) = delete;
-
- private:
-  bool before_;
-};
-
-// The backward: the graph the forward kept under the token (or, gone, the op re-run under autograd on
-// the saved inputs), and the gradients of the differentiated inputs for the incoming cotangents.
-ffi::Error run_backward(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device,
-                        int64_t run) {
-  if (args.size() != plan.n_args || rets.size() != plan.n_results) {
-    return arity_error(plan, "FFI backward call", args.size(), rets.size());
-  }
-  const size_t first_ct = plan.n_args - plan.outputs.size();
-  auto tb = args.get<ffi::AnyBuffer>(first_ct - 1);
-  if (tb.has_error()) return tb.error();
-  at::Tensor token = as_tensor(*tb, device, plan, "argument", first_ct - 1);
-  if (token.scalar_type() != c10::ScalarType::Int || token.numel() != 2) {
-    return ffi::Error::Internal("op " + plan.name + " (FFI backward call): the graph token is " + describe(token) +
-                                ", not an int32 (2,); this is a bug in nvalchemi_jaxbridge, please report it");
-  }
-  jb::GraphTable& table = *plan.source->graphs;
-  std::optional<Graph> kept;
-  at::Tensor mismatch;  // on a graph found by its token's site: whether the token there is another (0-d, on device)
-  if (auto found = table.take_at(site_of(run, device, *tb))) {
-    at::NoGradGuard no_grad;
-    mismatch = token_word_view(token).ne(token_word(table.salt(), found->first));
-    kept = std::move(found->second);
-  } else {
-    at::Tensor host = token.to(c10::kCPU);  // a GPU: one stream synchronisation
-    kept = table.take(host.data_ptr<int32_t>()[0], host.data_ptr<int32_t>()[1]);
-  }
-  Graph graph;
-  if (kept) {
-    graph = std::move(*kept);
-  } else {
-    std::vector<at::Tensor> results;
-    ffi::Error err = run_autograd(plan, args, device, /*keep=*/false, graph, results);
-    if (err.failure()) return err;
-  }
-  std::vector<at::Tensor> outs, cts;
-  for (size_t j = 0; j < plan.outputs.size(); ++j) {
-    if (!graph.outputs[j].defined()) continue;
-    auto c = args.get<ffi::AnyBuffer>(first_ct + j);
-    if (c.has_error()) return c.error();
-    outs.push_back(graph.outputs[j]);
-    cts.push_back(as_tensor(*c, device, plan, "argument", first_ct + j));
-  }
-  std::vector<at::Tensor> grads(plan.n_leaves);
-  if (!outs.empty() && plan.n_leaves > 0) {
-    SameThreadAutograd here;
-    grads = torch::autograd::grad(outs, graph.leaves, cts, /*retain_graph=*/false, /*create_graph=*/false,
-                                  /*allow_unused=*/true);
-  }
-  graph = Graph();  // the graph goes now
-  outs.clear();
-  for (size_t l = 0; l < plan.n_leaves; ++l) {
-    auto b = rets.get<ffi::AnyBuffer>(l);
-    if (b.has_error()) return b.error();
-    at::Tensor want = as_tensor(**b, device, plan, "result", l);
-    if (want.numel() == 0) continue;
-    const at::Tensor& got = grads[l];
-    if (got.defined() && (got.sizes() != want.sizes() || got.scalar_type() != want.scalar_type())) {
-      std::ostringstream os;
-      os << "op " << plan.name << ": the gradient of differentiated input " << l << " is " << describe(got)
-         << " but JAX expected " << describe(want) << " (the input's shape and dtype); fix the op's "
-         << "backward formula (register_autograd) to return gradients shaped and typed like the inputs";
-      return ffi::Error::InvalidArgument(os.str());
-    }
-    write_gradient(table, mismatch, got, want);
   }
   return ffi::Error::Success();
 }
