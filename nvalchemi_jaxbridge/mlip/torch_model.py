@@ -164,14 +164,15 @@ class TorchDistributedMLIP:
         dtype = self.wrapper.dtype
         pos = np.asarray(positions, dtype=np.float64)
         pos_owned = torch.tensor(pos[ctx.owned_ids()], dtype=dtype, requires_grad=True)
-        strain = torch.zeros((3, 3), dtype=dtype, requires_grad=True)
         pos_h = F.halo_from_owned(ctx, pos_owned, positions=True)
         parked = torch.tensor(plan.halo_offset[rank, n_pad: n_pad + 1], dtype=dtype)
         block = torch.cat([pos_h, parked])
-        sym = (strain + strain.T) / 2
-        block = block + block @ sym
         shift = torch.tensor(state.edges.shift[rank, : state.edges.n_edges[rank]], dtype=dtype)
-        shift = shift + shift @ sym  # lattice shifts follow the strained cell
+        strain = torch.zeros((3, 3), dtype=dtype, requires_grad=True) if want_stress else None
+        if strain is not None:  # without stress nothing is differentiated for it
+            sym = (strain + strain.T) / 2
+            block = block + block @ sym
+            shift = shift + shift @ sym  # lattice shifts follow the strained cell
         attrs = self.wrapper.node_attrs(state.numbers)[plan.halo_global[rank, :n_pad]]
         attrs = torch.tensor(np.concatenate([attrs, np.zeros((1, attrs.shape[1]), attrs.dtype)]), dtype=dtype)
         graph = self._graph(block, attrs, state.edges.edges[rank, : state.edges.n_edges[rank]], shift,
@@ -182,18 +183,19 @@ class TorchDistributedMLIP:
         try:
             node_e = self.model(graph)
             partial = node_e[:n_own].sum()
-            g_pos, g_strain = torch.autograd.grad(partial, (pos_owned, strain), allow_unused=True)
+            wrt = (pos_owned,) if strain is None else (pos_owned, strain)
+            g_pos, *g_strain = torch.autograd.grad(partial, wrt, allow_unused=True)
         finally:
             registry.restore()
         g_pos = torch.zeros_like(pos_owned) if g_pos is None else g_pos
-        g_strain = torch.zeros_like(strain) if g_strain is None else g_strain
         out: dict[str, Any] = {"energy": float(self._sum(ctx, partial.detach().reshape(1))[0])}
         own_e = node_e[:n_own].detach()
         for key, value in (("forces", -g_pos), (s.node_energy_key, own_e)):
             out[key] = value.numpy() if key in s.owned_only else F.gather_owned(ctx, value.contiguous()).numpy()
         out["owned_ids"] = ctx.owned_ids()
-        if want_stress:
-            virial = -self._sum(ctx, g_strain.reshape(1, 9)).reshape(3, 3).numpy()
+        if strain is not None:
+            g = torch.zeros_like(strain) if g_strain[0] is None else g_strain[0]
+            virial = -self._sum(ctx, g.reshape(1, 9)).reshape(3, 3).numpy()
             volume = cell_volume(state.cell, "TorchDistributedMLIP.evaluate")
             out["virial"], out["stress"] = virial, -virial / volume
         return out

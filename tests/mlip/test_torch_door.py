@@ -17,7 +17,7 @@ import pytest
 from tests._launch import front_door_run, read_ranks
 from tests.mlip import cases
 from tests.mlip._reference import mace_reference, reference
-from tests.mlip.torch_worker import ALL_RUNS, MACE_PT, RUNS
+from tests.mlip.torch_worker import ALL_RUNS, MACE_PT, NO_STRESS_CASE, RUNS
 
 pytestmark = pytest.mark.multiprocess
 
@@ -66,6 +66,18 @@ def test_every_rank_gets_the_one_device_result(ranks, case):
         np.testing.assert_allclose(got["atomic_energies"], want["atomic_energies"], rtol=0, atol=1e-9)
     if structure == "half":
         assert min(len(res[case]["owned_ids"]) for res in ranks) == 0  # a rank without atoms
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2], indirect=True)
+def test_evaluate_without_stress_gives_the_same_energy_and_forces(ranks):
+    """`evaluate(stress=False)` leaves the strain out of the graph: no stress or virial, the rest unchanged."""
+    for r, res in enumerate(ranks):
+        full, lean = res[NO_STRESS_CASE], res[NO_STRESS_CASE + ":no_stress"]
+        assert "stress" not in lean and "virial" not in lean and "stress" in full, f"rank {r}"
+        assert lean["energy"] == full["energy"], f"rank {r}"
+        np.testing.assert_array_equal(lean["forces"], full["forces"], err_msg=f"rank {r}")
+        np.testing.assert_array_equal(lean["atomic_energies"], full["atomic_energies"], err_msg=f"rank {r}")
 
 
 def test_shard_tensor_positions_into_an_unadapted_mace_raise():

@@ -27,6 +27,7 @@ ALL_RUNS = {  # both exchanges, both world sizes; MACE once, on 2 ranks (importi
 }
 HAVE_MACE = importlib.util.find_spec("mace") is not None
 RUNS = {w: [c for c in cs if HAVE_MACE or not c.startswith("mace:")] for w, cs in ALL_RUNS.items()}
+NO_STRESS_CASE = "mpnn:triclinic:per_layer"  # also run with evaluate(stress=False)
 MACE_PT = "mace.pt"  # rank 0's copy of the test MACE in OUT_DIR; the pytest side checks it is the reference's
 
 
@@ -72,6 +73,9 @@ def main() -> None:
         dm = TorchDistributedMLIP(wrapper, exchange=exchange)
         out = dm.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
         results[case] = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in out.items()}
+        if case == NO_STRESS_CASE:  # the same evaluation without the strain derivative
+            out = dm.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc, stress=False)
+            results[case + ":no_stress"] = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in out.items()}
         print(f"rank {info.rank}: {case} in {time.perf_counter() - t0:.1f} s", flush=True)
     (out_dir / f"rank{info.rank}.json").write_text(json.dumps(results))
     print(f"rank {info.rank}/{info.world_size}: done", flush=True)
