@@ -101,26 +101,38 @@ def profile(step, sync, steps: int) -> dict:
             "top": [(k, v / steps) for k, v in top.most_common(4)]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = cm.base_parser(__doc__.splitlines()[0])
-    p.add_argument("--cells", default=None, help="cubic cells per axis, comma list (default 14,22)")
+def add_md_args(p, default_cells: list[int]) -> None:
+    """The options of the one-device MD benchmarks: --cells, --kernels, --dtype, --skin."""
+    p.add_argument("--cells", default=None,
+                   help=f"cubic cells per axis, comma list (default {','.join(map(str, default_cells))})")
     p.add_argument("--kernels", default="torch-cells,triton", help=f"comma list of {', '.join(KERNELS)}")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    p.add_argument("--steps", type=int, default=None, help="steps per pipelined run (default 50, smoke 3)")
     p.add_argument("--skin", type=float, default=1.0)
+
+
+def md_choices(a, default_cells: list[int], script: str) -> tuple[list[int], list[str]]:
+    """(cells, kernels) asked for by `add_md_args`' options (smoke: SMOKE_CELLS); unknown kernels exit."""
+    cells = [int(c) for c in a.cells.split(",")] if a.cells else (SMOKE_CELLS if a.smoke else default_cells)
+    kernels = [k for k in a.kernels.split(",") if k]
+    if bad := sorted(set(kernels) - set(KERNELS)):
+        raise SystemExit(f"{script}: unknown --kernels {bad}; choose from {', '.join(KERNELS)}.")
+    return cells, kernels
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = cm.base_parser(__doc__.splitlines()[0])
+    add_md_args(p, CELLS)
+    p.add_argument("--steps", type=int, default=None, help="steps per pipelined run (default 50, smoke 3)")
     a = p.parse_args(argv)
     platform = cm.setup(a.platform)
     import jax
     import torch
 
-    cells = [int(c) for c in a.cells.split(",")] if a.cells else (SMOKE_CELLS if a.smoke else CELLS)
+    cells, kernels = md_choices(a, CELLS, "md_breakdown")
     steps = a.steps or (3 if a.smoke else 50)
     iters, warmup = (3, 1) if a.smoke else (10, 2)
     dev = torch.device("cuda", 0) if platform == "gpu" else torch.device("cpu")
     torch_sync = (lambda _: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda _: None)
-    kernels = [k for k in a.kernels.split(",") if k]
-    if bad := sorted(set(kernels) - set(KERNELS)):
-        raise SystemExit(f"md_breakdown: unknown --kernels {bad}; choose from {', '.join(KERNELS)}.")
     settings = {"dtype": a.dtype, "cutoff": f"{md_step.SMOKE_CUTOFF} A (smoke)" if a.smoke else "8.5 A",
                 "plan": f"HaloPlan headroom 1.0, skin {a.skin} A, built once",
                 "pipelined": f"{steps} steps back to back, one synchronisation at the end",

@@ -21,12 +21,11 @@ from __future__ import annotations
 import sys
 
 import _common as cm
+import md_breakdown
 import md_step
 import numpy as np
 
 CELLS = [14, 22, 35]  # 10976, 42592 and 171500 argon atoms
-SMOKE_CELLS = [2]
-KERNELS = ("torch-cells", "triton", "torch")
 
 
 def block(step, sync, steps: int):
@@ -75,24 +74,18 @@ def looped(info: dict, steps: int):
 
 def main(argv: list[str] | None = None) -> int:
     p = cm.base_parser(__doc__.splitlines()[0])
-    p.add_argument("--cells", default=None, help="cubic cells per axis, comma list (default 14,22,35)")
-    p.add_argument("--kernels", default="torch-cells,triton", help=f"comma list of {', '.join(KERNELS)}")
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    md_breakdown.add_md_args(p, CELLS)
     p.add_argument("--rounds", type=int, default=None, help="rounds (default 20, smoke 2)")
     p.add_argument("--steps", type=int, default=None, help="steps per pipelined block (default 20, smoke 2)")
-    p.add_argument("--skin", type=float, default=1.0)
     p.add_argument("--label", default="", help="a tag for the rows (e.g. the version measured)")
     a = p.parse_args(argv)
     platform = cm.setup(a.platform)
     import jax
     import torch
 
-    cells = [int(c) for c in a.cells.split(",")] if a.cells else (SMOKE_CELLS if a.smoke else CELLS)
+    cells, kernels = md_breakdown.md_choices(a, CELLS, "md_interleaved")
     rounds = a.rounds or (2 if a.smoke else 20)
     steps = a.steps or (2 if a.smoke else 20)
-    kernels = [k for k in a.kernels.split(",") if k]
-    if bad := sorted(set(kernels) - set(KERNELS)):
-        raise SystemExit(f"md_interleaved: unknown --kernels {bad}; choose from {', '.join(KERNELS)}.")
     dev = torch.device("cuda", 0) if platform == "gpu" else torch.device("cpu")
     torch_sync = (lambda _: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda _: None)
     settings = {"dtype": a.dtype, "cutoff": f"{md_step.SMOKE_CUTOFF} A (smoke)" if a.smoke else "8.5 A",
