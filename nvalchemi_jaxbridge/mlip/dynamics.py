@@ -106,7 +106,7 @@ def nve(model: DistributedMLIP, positions: Any, velocities: Any, masses: Any, nu
         m = owned(layout, m_global) + jnp.asarray(1.0 - layout.plan.owned_mask.reshape(-1), dtype)  # padding: 1 amu
         x_o, v_o = owned(layout, x, positions=True), owned(layout, v)
         reference = owned(layout, layout.plan.reference_positions, positions=True)  # padding parked like x_o
-        if f is None:  # a step of 0 fs: the forces at x_o, from the program every later step runs
+        if f is None:  # a step of 0 fs: the forces at x_o, from the step function every later step runs
             md, _ = chunk_of(layout, MDState(x_o, v_o, jnp.zeros_like(x_o), None), m, reference, 0.0, 1)
             return md, m, reference
         return MDState(x_o, v_o, owned(layout, f), energy), m, reference
