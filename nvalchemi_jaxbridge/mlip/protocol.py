@@ -156,8 +156,9 @@ class MessagePassingWrapper(abc.ABC):
         """`(rows,)` node energies from the summed layer terms (add per-atom shifts here)."""
         return layer_energy
 
-    def edge_features(self, g: BlockGraph) -> tuple[torch.Tensor, ...] | None:
-        """Per-edge tensors `(E, ...)` every layer reads, from `g`'s positions, attributes and edges.
+    def edge_features(self, g: BlockGraph) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+        """Per-edge tensors `(E, ...)` every layer reads (one tensor or a tuple), from `g`'s positions,
+        attributes and edges.
 
         Default None: the layers compute their edge quantities themselves. A wrapper that
         returns them reads them in `interaction` as `shared_edge_features(self, g)`; the
@@ -176,7 +177,7 @@ class MessagePassingWrapper(abc.ABC):
 def with_edge_features(wrapper: MessagePassingWrapper, g: BlockGraph) -> BlockGraph:
     """`g` holding `wrapper.edge_features(g)` for its layers (unchanged if the wrapper shares none)."""
     feats = wrapper.edge_features(g)
-    return g if feats is None else dataclasses.replace(g, edge_features=tuple(feats))
+    return g if feats is None else dataclasses.replace(g, edge_features=as_tuple(feats))
 
 
 def shared_edge_features(wrapper: MessagePassingWrapper, g: BlockGraph) -> tuple[torch.Tensor, ...]:
@@ -189,7 +190,7 @@ def shared_edge_features(wrapper: MessagePassingWrapper, g: BlockGraph) -> tuple
             f"{wrapper.name}: shared_edge_features was called but the wrapper's edge_features returns None; "
             "implement edge_features (the per-edge tensors its layers share) or compute them in interaction."
         )
-    return tuple(feats)
+    return as_tuple(feats)
 
 
 def node_energies_of(wrapper: MessagePassingWrapper, g: BlockGraph) -> torch.Tensor:

@@ -73,11 +73,12 @@ def _n_edge_features(wrapper: MessagePassingWrapper, device: torch.device) -> in
         feats = wrapper.edge_features(g)
     if feats is None:
         return 0
-    feats = tuple(feats) if isinstance(feats, (tuple, list)) else (feats,)
+    feats = as_tuple(feats)
     bad = [k for k, t in enumerate(feats) if not isinstance(t, torch.Tensor) or t.ndim < 1 or t.shape[0] != 1]
     if not feats or bad:
         raise TypeError(
-            f"{wrapper.name}: edge_features must return a non-empty tuple of per-edge tensors (E, ...) or None; "
+            f"{wrapper.name}: edge_features must return one or more per-edge tensors (E, ...) (a tensor or a "
+            "tuple) or None; "
             f"on a one-edge block its results {bad} are not (E, ...) tensors. Return only tensors with one row "
             "per edge (move node-wise work into the layers)."
         )

@@ -119,6 +119,22 @@ def test_shared_edge_features_are_computed_once_and_match_one_device():
     assert Stages.of(FilterConvWrapper(model, (29, 79))).n_edge_features == 0  # nothing shared: no edges op
 
 
+def test_edge_features_as_one_tensor_are_one_feature_not_its_rows():
+    class OneTensor(SharedVectorsWrapper):
+        def edge_features(self, g):
+            return g.edge_vectors()  # a bare tensor, as embed may return one
+
+    model = FilterConv()
+    wrapper = OneTensor(model, (29, 79))
+    atoms = cases.structure("small")
+    want = reference(model, atoms, model.cutoff, wrapper.node_attrs(atoms.numbers))
+    bridge = DistributedMLIP(wrapper, n_devices=2)
+    out = bridge.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
+    assert bridge.stages.n_edge_features == 1
+    assert abs(out["energy"] - want["energy"]) <= 1e-9 * abs(want["energy"])
+    np.testing.assert_allclose(out["forces"], want["forces"], rtol=0, atol=1e-8)
+
+
 def test_edge_features_that_are_not_per_edge_are_refused_with_the_fix():
     class NodeWise(FilterConvWrapper):
         def edge_features(self, g):
