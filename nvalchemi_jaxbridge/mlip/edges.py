@@ -6,9 +6,9 @@ within `cutoff` until the plan needs a rebuild (an atom moved more than `skin / 
 Periodic images of other devices' atoms are ghost rows. Images of a device's own
 atoms are ghost rows too in a plan built with `self_images=True`; in one built with
 `self_images=False` (the model level's) they are no rows at all: the search places
-them as extra points, and an edge from one is an edge from its owned row with the
-image's lattice shift (`image`; `shift = -image @ basis` on the edge, as a model's
-own neighbour list gives for a periodic image). On one device the block then holds
+them as extra points, and an edge from one is an edge from its owned row whose
+`shift` is the image's lattice vector (`-image @ basis`, as a model's own
+neighbour list gives for a periodic image). On one device the block then holds
 the owned atoms alone, as the model's own input would. Inside a program the edges
 longer than `cutoff` at the current positions are turned into padding edges
 (`active_edges`), so a model sees exactly the pairs a neighbour list at its
@@ -37,10 +37,10 @@ class EdgePlan:
     Attributes:
         edges: `(D, edge_capacity, 2)` int32 block rows `(sender, receiver)`; a padding
             edge joins its slot's spare row to itself, `(spare, spare)`.
-        image: `(D, edge_capacity, 3)` int32 lattice shift of each edge's sender: the sender is
-            that periodic image of its row (0 where the row itself is meant, and on padding).
-        shift: `(D, edge_capacity, 3)` float64 `-image @ basis`: the edge vector is
-            `pos[receiver] - pos[sender] + shift` (the plan's cell; strain it with the positions).
+        shift: `(D, edge_capacity, 3)` float64: the edge vector is `pos[receiver] - pos[sender] +
+            shift`. Where the sender is a periodic image `image` (lattice cell, int) of its row's own
+            atom, `shift = -image @ basis` in the plan's cell (strain it with the positions); 0 where
+            the row itself is meant, and on padding.
         pad_row: `(D,)` int32 the first padding row of each block (`n_owned + n_ghost`).
         spare: `(D, edge_capacity)` int32 the padding row of each edge slot, cycling over all
             padding rows of the block: a padding edge (or a real one beyond the cutoff, inside a
@@ -54,7 +54,6 @@ class EdgePlan:
     """
 
     edges: np.ndarray
-    image: np.ndarray
     shift: np.ndarray
     pad_row: np.ndarray
     spare: np.ndarray
@@ -132,8 +131,7 @@ class EdgePlan:
         for dev, (e, im) in enumerate(per_device):
             edges[dev, : len(e)] = e
             image[dev, : len(e)] = im
-        shift = -(image @ plan.basis)
-        return cls(edges, image, shift, pad_row, spare, n_edges, int(cap), float(cutoff), reach, receivers,
+        return cls(edges, -(image @ plan.basis), pad_row, spare, n_edges, int(cap), float(cutoff), reach, receivers,
                    float(headroom))
 
     def rebuild(self, plan: Any, positions: np.ndarray) -> EdgePlan:

@@ -130,7 +130,7 @@ def build_layout(wrapper: MessagePassingWrapper, exchange: str, positions: Any, 
         p = keep[0]
         kw = dict(grid=p.grid, owned_capacity=p.owned_capacity, ghost_capacity=p.ghost_capacity,
                   pair_capacities=dict(zip(p.offsets, p.pair_capacities)))
-    # Images of a device's own atoms are no rows: their edges carry the lattice shift (EdgePlan.image).
+    # Images of a device's own atoms are no rows: their edges carry the lattice shift (EdgePlan.shift).
     plan = HaloPlan.build(pos, cell, periodic=periodic, cutoff=halo_depth(wrapper, exchange), skin=skin,
                           n_devices=n_devices, headroom=headroom, self_images=False, **kw)
     edges = EdgePlan.build(plan, pos, cutoff=wrapper.cutoff, receivers="owned" if exchange == "per_layer" else "all",
