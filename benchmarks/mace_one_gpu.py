@@ -282,24 +282,35 @@ def is_oom(e: BaseException) -> bool:
     return "out of memory" in text or "resource_exhausted" in text or "outofmemory" in text
 
 
+ENERGY_TOL = {"float64": 1e-9, "float32": 1e-4}  # relative, of the float64 sums of the node energies
+
+
+def energy_parity(e_bridge: float, e_native: float, nodes_bridge: float, nodes_native: float, dtype: str
+                  ) -> tuple[float, float, bool]:
+    """(dE of the totals, dE of the float64 node-energy sums, both relative to native's; whether the sums agree).
+
+    In float32 a total is a sum of ~N terms of a few eV: MACE's scatter_sum accumulates it in
+    float32 (rounding grows with N), XLA's reduction pairwise, so the verdict takes the node sums.
+    """
+    scale = max(abs(nodes_native), 1e-30)
+    de_nodes = abs(nodes_bridge - nodes_native) / scale
+    return abs(e_bridge - e_native) / scale, de_nodes, de_nodes <= ENERGY_TOL[dtype]
+
+
 def parity(b: dict[str, Any], n: dict[str, Any], dtype: str) -> tuple[str, bool]:
     """'dE/|E| a [b], max|dF| c eV/A (d of max|F|) ok|MISMATCH' and whether it passed.
 
     a compares the two programs' total energies; b the float64 sums of their node
-    energies. In float32 a total is a sum of ~N terms of a few eV: MACE's scatter_sum
-    accumulates it in float32 (rounding grows with N), XLA's reduction pairwise, so the
-    verdict takes b when a alone is over the tolerance.
+    energies, which the verdict takes (`energy_parity`).
     """
-    scale = max(abs(n["e_nodes"]), 1e-30)
-    de = abs(b["energy"] - n["energy"]) / scale
-    de_nodes = abs(b["e_nodes"] - n["e_nodes"]) / scale
+    de, de_nodes, ok_e = energy_parity(b["energy"], n["energy"], b["e_nodes"], n["e_nodes"], dtype)
     df = float(np.abs(b["forces"] - n["forces"]).max())
     fmax = float(np.abs(n["forces"]).max())
     rel_f = df / max(fmax, 1e-30)
-    tol_e, tol_f = (1e-9, 1e-8) if dtype == "float64" else (1e-4, 1e-3)
+    tol_f = 1e-8 if dtype == "float64" else 1e-3
     ok_f = rel_f <= tol_f and bool(np.isfinite(b["forces"]).all())
-    ok = ok_f and de_nodes <= tol_e
-    verdict = "ok" if ok and de <= tol_e else ("ok (node sums)" if ok else "MISMATCH")
+    ok = ok_f and ok_e
+    verdict = "ok" if ok and de <= ENERGY_TOL[dtype] else ("ok (node sums)" if ok else "MISMATCH")
     return f"{de:.1e} [{de_nodes:.1e}], {df:.1e} ({rel_f:.0e}) {verdict}", ok
 
 
