@@ -68,8 +68,8 @@ def profile_calls(call, sync, calls: int) -> dict:
     return md_breakdown.profile(call, sync, calls)
 
 
-def timeline_runs(fn, kernels: dict, x_t, e_t, x_j, e_j, torch_sync, warmup: int, iters: int) -> dict:
-    """`timeline` of the energy alone and energy + forces, native and through the first bridge path, and XLA alone."""
+def timeline_runs(fn, path: str, x_t, e_t, x_j, e_j, torch_sync, warmup: int, iters: int) -> dict:
+    """`timeline` of the energy alone and energy + forces, native and through the bridge's `path`, and XLA alone."""
     import jax
     import torch
 
@@ -88,7 +88,6 @@ def timeline_runs(fn, kernels: dict, x_t, e_t, x_j, e_j, torch_sync, warmup: int
         (g,) = torch.autograd.grad(marked(x, e_t).sum(), x)
         return g
 
-    path = next(iter(kernels)).split("(")[1].rstrip(")")
     k = torch_function(marked, 2, 1, label=f"lj_edges_timeline_{path}", call_path=path)
     energy = jax.jit(lambda x, ed: k(x, ed)[0])
     both = jax.jit(jax.value_and_grad(lambda x, ed: k(x, ed)[0]))
@@ -180,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             x_j = jnp.asarray(pos, dtype=a.dtype)
             e_j = jnp.asarray(edges.astype(np.int32))
             kernels = {}
-            for path in [s for s in a.paths.split(",") if s]:
+            paths = [s for s in a.paths.split(",") if s]
+            for path in paths:
                 kernel = torch_function(fn, 2, 1, label=f"lj_edges_{path}", call_path=path)
                 vg = jax.jit(jax.value_and_grad(lambda x, ed, k=kernel: k(x, ed)[0]))
                 kernels[f"bridge ({path})"] = (kernel, vg)
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 rep.row(rows, [a.label or "-", n, len(edges), run, counter[0], cm.ms(t),
                                f"{t_native / t:.2f}x", reads, f"{err:.1e}"])
             if time_rows is not None:
-                for run, ph in timeline_runs(fn, kernels, x_t, e_t, x_j, e_j, torch_sync, warmup, iters).items():
+                for run, ph in timeline_runs(fn, paths[0], x_t, e_t, x_j, e_j, torch_sync, warmup, iters).items():
                     rep.row(time_rows, [a.label or "-", n, run, *(f"{1e6 * v:.0f}" for v in ph)])
             profiled = [(run, fn_, sync) for run, (fn_, sync) in runs.items()]
             for run, call, done in profiled if prof_rows is not None else ():
