@@ -27,7 +27,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
-#include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -115,7 +115,8 @@ class GraphTable {
   // becomes where its graph was found by a site whose token is another's (torch_call.cc).
   at::Tensor nan_on(c10::Device device, c10::ScalarType dtype) {
     std::lock_guard<std::mutex> lock(mu_);
-    at::Tensor& t = nans_[std::make_pair(device.str(), dtype)];
+    at::Tensor& t = nans_[std::make_tuple(static_cast<int>(device.type()), static_cast<int>(device.index()),
+                                          static_cast<int>(dtype))];
     if (!t.defined()) {
       t = at::full({}, std::numeric_limits<double>::quiet_NaN(), at::TensorOptions().dtype(dtype).device(device));
     }
@@ -158,7 +159,7 @@ class GraphTable {
   std::list<Entry> order_;  // oldest first
   std::unordered_map<int32_t, Iter> where_;
   std::unordered_map<TokenSite, int32_t, TokenSiteHash> at_site_;
-  std::map<std::pair<std::string, c10::ScalarType>, at::Tensor> nans_;
+  std::map<std::tuple<int, int, int>, at::Tensor> nans_;  // (device type, index, dtype) -> 0-d NaN
 };
 
 }  // namespace jb
