@@ -103,9 +103,10 @@ class SharedVectorsWrapper(FilterConvWrapper):
         return h, energy
 
 
-def test_shared_edge_features_are_computed_once_and_match_one_device():
+def _two_devices_against_one(wrapper_cls: type) -> DistributedMLIP:
+    """`wrapper_cls` over FilterConv on 2 devices; energy, forces and stress checked against one device."""
     model = FilterConv()
-    wrapper = SharedVectorsWrapper(model, (29, 79))
+    wrapper = wrapper_cls(model, (29, 79))
     atoms = cases.structure("small")
     want = reference(model, atoms, model.cutoff, wrapper.node_attrs(atoms.numbers))
     bridge = DistributedMLIP(wrapper, n_devices=2)
@@ -113,6 +114,12 @@ def test_shared_edge_features_are_computed_once_and_match_one_device():
     assert abs(out["energy"] - want["energy"]) <= 1e-9 * abs(want["energy"])
     np.testing.assert_allclose(out["forces"], want["forces"], rtol=0, atol=1e-8)
     np.testing.assert_allclose(out["stress"], want["stress"], rtol=0, atol=1e-9)
+    return bridge
+
+
+def test_shared_edge_features_are_computed_once_and_match_one_device():
+    bridge = _two_devices_against_one(SharedVectorsWrapper)
+    model = bridge.wrapper.model
     (ops,) = bridge.stages.defined()
     assert [name for name, _ in ops.named()] == ["first", "last"]  # cut only where the exchange is
     assert bridge.stages.n_edge_features == ops.n_edge_features == 1  # handed from the first op to the last
@@ -124,15 +131,7 @@ def test_edge_features_as_one_tensor_are_one_feature_not_its_rows():
         def edge_features(self, g):
             return g.edge_vectors()  # a bare tensor, as embed may return one
 
-    model = FilterConv()
-    wrapper = OneTensor(model, (29, 79))
-    atoms = cases.structure("small")
-    want = reference(model, atoms, model.cutoff, wrapper.node_attrs(atoms.numbers))
-    bridge = DistributedMLIP(wrapper, n_devices=2)
-    out = bridge.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
-    assert bridge.stages.n_edge_features == 1
-    assert abs(out["energy"] - want["energy"]) <= 1e-9 * abs(want["energy"])
-    np.testing.assert_allclose(out["forces"], want["forces"], rtol=0, atol=1e-8)
+    assert _two_devices_against_one(OneTensor).stages.n_edge_features == 1
 
 
 def test_edge_features_that_are_not_per_edge_are_refused_with_the_fix():
