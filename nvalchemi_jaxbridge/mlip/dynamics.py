@@ -94,7 +94,7 @@ def nve(model: DistributedMLIP, positions: Any, velocities: Any, masses: Any, nu
         raise ValueError(f"nve: need steps >= 0 and check_every >= 1, got steps={steps}, check_every={check_every}.")
     dtype = model._np_dtype()
     layout = model.prepare(positions, numbers, cell, pbc)
-    chunk_of = _chunk_fn(model)
+    chunk_of = model.program("dynamics.nve", lambda: _chunk_fn(model))  # compiled once per model
     m_global = np.asarray(masses, dtype=dtype)
 
     def owned(layout: ModelState, x: np.ndarray, *, positions: bool = False) -> jax.Array:

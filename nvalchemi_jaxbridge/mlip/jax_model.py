@@ -20,6 +20,7 @@ as one op on the block, no exchange between layers (the fallback; same numbers).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -184,6 +185,18 @@ class DistributedMLIP:
         self.stages = Stages.of(wrapper, call_path=call_path, device="cuda" if gpu else "cpu")
         self._value_and_grad = jax.jit(jax.value_and_grad(self.energy_fn, argnums=(1, 2), has_aux=True))
         self._value_and_forces = jax.jit(jax.value_and_grad(self.energy_fn, argnums=1, has_aux=True))
+        self._programs: dict[Hashable, Callable[..., Any]] = {}
+        self._compiled: Any = None  # the CompiledSpec every layout of this model shares (so do its programs)
+
+    def program(self, key: Hashable, build: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+        """The program this model keeps under `key`: `build()` on first use, the same object after.
+
+        Drivers built on the model (`dynamics.nve`'s jitted chunk of steps) keep their jitted functions
+        here, so a second run on the same model reuses the first run's compilations.
+        """
+        if key not in self._programs:
+            self._programs[key] = build()
+        return self._programs[key]
 
     # ---------------------------------------------------------------- layout
 
@@ -226,7 +239,15 @@ class DistributedMLIP:
 
     def _state(self, plan: HaloPlan, edges: EdgePlan, attrs: np.ndarray, numbers: np.ndarray, cell: np.ndarray,
                periodic: tuple[bool, bool, bool], cs: Any = None) -> ModelState:
-        cs = lower_compile(DistributionSpec(self.settings.policy), self.mesh, plan) if cs is None else cs.with_plan(plan)
+        # One compiled spec per model, on each layout's plan: a jitted program traced for one layout is
+        # reused by every later one of equal capacities (a second prepare of the same atoms included)
+        base = cs if cs is not None else self._compiled
+        if base is None:
+            cs = lower_compile(DistributionSpec(self.settings.policy), self.mesh, plan)
+        else:
+            cs = base.with_plan(plan)
+        if self._compiled is None:
+            self._compiled = cs
         row = NamedSharding(self.mesh, P(cs.axis))
         shift = edges.shift.reshape(-1, 3).astype(self._np_dtype())
         return ModelState(plan, edges, cs, place(edges.edges.reshape(-1, 2), row), place(shift, row),

@@ -9,6 +9,9 @@ its layout on the skin criterion.
 
 from __future__ import annotations
 
+import contextlib
+
+import jax
 import numpy as np
 import pytest
 
@@ -47,3 +50,45 @@ def test_a_step_too_long_for_the_skin_is_refused():
     with pytest.raises(ValueError, match="moved more than skin/2"):
         nve(DistributedMLIP(w, n_devices=2, skin=0.1), atoms.positions, v, masses, atoms.numbers,
             atoms.cell.array, atoms.pbc, steps=5, dt=1.0, check_every=5)
+
+
+@contextlib.contextmanager
+def backend_compiles():
+    """The XLA compilations that happen inside the block (JAX's compile-duration events), as a list."""
+    seen: list[float] = []
+
+    def listener(event: str, duration: float, **_: object) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_a_second_run_on_the_same_model_compiles_nothing_and_repeats_the_first():
+    w, atoms = cases.wrapper("mpnn"), cases.structure("small")
+    masses = atoms.get_masses()
+    v = maxwell_boltzmann(masses, 300.0, seed=1)
+    model = DistributedMLIP(w, n_devices=2, skin=1.0)
+
+    def run():
+        return nve(model, atoms.positions, v, masses, atoms.numbers, atoms.cell.array, atoms.pbc, steps=4,
+                   dt=1.0, check_every=2)
+
+    with backend_compiles() as first:
+        a = run()
+    with backend_compiles() as second:
+        b = run()
+    assert len(first) >= 1 and second == []  # the chunk programs stay with the model; layouts share a spec
+    for step in a["positions"]:
+        np.testing.assert_array_equal(b["positions"][step], a["positions"][step])
+    with backend_compiles() as again:  # evaluate, prepared afresh each call, reuses its program too
+        e1 = model.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
+        e2 = model.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
+    assert len(again) >= 1 and e2["energy"] == e1["energy"]
+    with backend_compiles() as third:
+        model.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
+    assert third == []
