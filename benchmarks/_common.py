@@ -139,6 +139,23 @@ def time_interleaved(runs: dict[str, tuple[Callable[[], Any], Callable[[Any], An
     return out
 
 
+def pipelined(fn: Callable[[], Any], sync: Callable[[Any], Any], calls: int
+              ) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
+    """A `(fn, sync)` run of `calls` calls of `fn` issued back to back, then one `sync` of the last result.
+
+    What a loop of steps or evaluations does: the host issues the next call while the device works, so
+    a call's synchronisation is paid once per block. Divide the block's time by `calls` for a per-call time.
+    """
+
+    def run() -> Any:
+        out = None
+        for _ in range(calls):
+            out = fn()
+        return out
+
+    return run, sync
+
+
 def time_calls(fn: Callable[[], Any], *, warmup: int, iters: int, sync: Callable[[Any], Any]) -> list[float]:
     """Wall seconds of `iters` calls of `fn` (each followed by `sync(result)`), after `warmup` calls."""
     return time_interleaved({"": (fn, sync)}, warmup=warmup, iters=iters)[""]

@@ -1,7 +1,8 @@
 """MACE energy + forces on one device, native and the bridge taking turns call by call (steady ratios).
 
     PYTHONPATH=.:/tmp/site python3 benchmarks/mace_interleaved.py --out OUTDIR [--sizes 7,14]
-        [--dtypes float32,float64] [--hidden "64x0e + 64x1o"] [--rounds 15] [--label after] [--profile] [--smoke]
+        [--dtypes float32,float64] [--hidden "64x0e + 64x1o"] [--rounds 15] [--label after] [--profile] [--cueq]
+        [--smoke]
 
 `mace_one_gpu.py` times each run in a block of its own; on a host-bound size (10^3 atoms)
 the machine's drift between blocks is as large as the difference looked for. Here the
@@ -11,7 +12,8 @@ followed by a synchronisation: the bridge's energy and forces (`energy_and_gradi
 strain=False)`, what native computes) and its energy, forces and strain derivative (the
 stress, which native leaves out), where the version measured has the first.
 The model and structures are mace_one_gpu.py's (random ScaleShiftMACE, TorchScript on,
-rattled fcc Cu/Au of reps^3 x 4 atoms). `--label` tags the rows, so runs of two versions
+rattled fcc Cu/Au of reps^3 x 4 atoms); `--cueq` converts it to cuequivariance kernels
+(mace-torch's `convert_e3nn_cueq`, same weights) for both sides. `--label` tags the rows, so runs of two versions
 of the package (each from its own checkout) can share one table. Every bridge result is
 checked against native (energy, forces) and a mismatch marks the row. Peak GPU memory of one call
 after the timing: native, torch's `max_memory_allocated`; the bridge's E+F, torch's (the stage ops'
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15, smoke 2)")
     p.add_argument("--label", default="", help="a tag for the rows (e.g. the version measured)")
     p.add_argument("--profile", action="store_true", help="also profile each side and list the bridge's extra work")
+    p.add_argument("--cueq", action="store_true", help="the model converted to cuequivariance kernels, both sides")
     a = p.parse_args(argv)
     a.hidden_given = True
     platform = cm.setup(a.platform)
@@ -101,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else ([2] if a.smoke else [7, 14])
     rounds = a.rounds or (2 if a.smoke else 15)
     cfg = base.model_config(a)
-    settings = {"model": f"random ScaleShiftMACE as mace_one_gpu.py, hidden \"{cfg['hidden_irreps']}\", TorchScript on",
+    kernels = "cuequivariance (convert_e3nn_cueq)" if a.cueq else "e3nn, TorchScript on"
+    settings = {"model": f"random ScaleShiftMACE as mace_one_gpu.py, hidden \"{cfg['hidden_irreps']}\", {kernels}",
                 "runs": "native: model(batch, compute_force=True); bridge: DistributedMLIP(..., n_devices=1, skin=0, "
                         "headroom=1).energy_and_gradients: E+F (strain=False) and E+F+dE/dstrain",
                 "timing": f"median of {rounds} rounds after 3 warm-up rounds; each round one call of each run, in "
@@ -116,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in [d for d in a.dtypes.split(",") if d]:
         tdt = getattr(torch, dtype)
         model = base.build_model(random_mace, tdt, cfg, True).to(dev)
+        if a.cueq:
+            model = base.to_cueq(model, dev)
         bridge = DistributedMLIP(MACEWrapper(model), n_devices=1, skin=0.0, headroom=1.0)
         for reps in sizes:
             with rep.section(f"{dtype}/{reps}"):

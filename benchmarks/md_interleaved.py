@@ -28,18 +28,6 @@ import numpy as np
 CELLS = [14, 22, 35]  # 10976, 42592 and 171500 argon atoms
 
 
-def block(step, sync, steps: int):
-    """`steps` steps issued back to back, then one synchronisation (a pipelined run)."""
-
-    def run():
-        out = None
-        for _ in range(steps):
-            out = step()
-        return out
-
-    return run, sync
-
-
 def check_loop(b_step, info: dict, loop, steps: int) -> float:
     """Max |dx| (A) between one block of the loop and `steps` calls of the step program, both from the start."""
     for _ in range(steps):
@@ -116,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                 if err > (1e-4 if a.dtype == "float32" else 1e-10):
                     raise AssertionError(f"{kernel}, {case.n} atoms: first-step forces differ by {err:.1e}")
                 runs = {"native": (t_step, torch_sync), "bridge": (b_step, jax.block_until_ready),
-                        "native block": block(t_step, torch_sync, steps),
-                        "bridge block": block(b_step, jax.block_until_ready, steps), "bridge loop": loop}
+                        "native block": cm.pipelined(t_step, torch_sync, steps),
+                        "bridge block": cm.pipelined(b_step, jax.block_until_ready, steps), "bridge loop": loop}
                 t = {k: cm.med(v) for k, v in cm.time_interleaved(runs, warmup=2, iters=rounds).items()}
                 tn, tb = t["native"], t["bridge"]
                 pn, pb, pl = t["native block"] / steps, t["bridge block"] / steps, t["bridge loop"] / steps

@@ -1,10 +1,11 @@
-"""benchmarks/md_breakdown.py, md_interleaved.py, dispatch_floor.py and grad_through_op.py run end to end on the
-CPU, in this process.
+"""benchmarks/md_breakdown.py, md_interleaved.py, dispatch_floor.py, grad_through_op.py and nve_steps.py run end to
+end on the CPU, in this process.
 
 Each checks its runs against each other before it times them (dispatch_floor: every row gives 2 x;
 md_breakdown: the bridge's and native's steps come from md_step.py, whose forces the smoke test checks;
 md_interleaved: the first-step forces of both sides, which it stops on when they differ; grad_through_op:
-the bridge's forces against native autograd's, and how many forwards an energy + forces ran).
+the bridge's forces against native autograd's, and how many forwards an energy + forces ran; nve_steps: the
+total energy of its NVE run, and that a run after the first compiles nothing).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import dispatch_floor  # noqa: E402
 import grad_through_op  # noqa: E402
 import md_breakdown  # noqa: E402
 import md_interleaved  # noqa: E402
+import nve_steps  # noqa: E402
 
 
 def test_md_breakdown_smoke_has_every_run(tmp_path):
@@ -43,7 +45,8 @@ def test_grad_through_op_smoke_runs_one_forward_and_splits_a_call(tmp_path):
     assert grad_through_op.main(args) == 0
     lines = (tmp_path / "grad_through_op.md").read_text().splitlines()
     bridge = [c.strip() for c in next(r for r in lines if "| bridge (ffi) |" in r).split("|")[1:-1]]
-    assert bridge[4] == "1" and float(bridge[8]) < 1e-5  # one forward per E+F; forces as native's
+    assert bridge[4] == "1" and float(bridge[10]) < 1e-5  # one forward per E+F; forces as native's
+    assert float(bridge[7]) > 0 and bridge[8].endswith("x")  # the pipelined time and its ratio
     phases = {r.split("|")[3].strip(): [float(c) for c in r.split("|")[4:9]] for r in lines
               if r.startswith("| - | 200 |") and len(r.split("|")) == 10}
     assert set(phases) == {"native E", "native E+F", "bridge (ffi) E", "bridge (ffi) E+F",
@@ -64,3 +67,11 @@ def test_xla_kernels_are_told_from_torch_and_triton_kernels():
     assert md_breakdown.is_xla_kernel("loop_add_fusion") and md_breakdown.is_xla_kernel("input_reduce_fusion_1")
     assert not md_breakdown.is_xla_kernel("void at::native::elementwise_kernel<128, 2>")
     assert not md_breakdown.is_xla_kernel("lj_kernel")  # a Triton kernel's own name
+
+
+def test_nve_steps_smoke_keeps_the_energy_and_compiles_once(tmp_path):
+    assert nve_steps.main(["--platform", "cpu", "--smoke", "--out", str(tmp_path)]) == 0
+    row = next(r for r in (tmp_path / "nve_steps.md").read_text().splitlines() if r.startswith("| - | 108 |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert float(cells[4]) > 0 and cells[5].startswith("0 (")  # the timed run reused the warm-up's programs
+    assert float(cells[8]) < 1e-6  # eV per atom over the run
