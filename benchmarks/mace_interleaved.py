@@ -17,8 +17,10 @@ rattled fcc Cu/Au of reps^3 x 4 atoms); `--cueq` converts it to cuequivariance k
 of the package (each from its own checkout) can share one table. Every bridge result is
 checked against native (energy, forces) and a mismatch marks the row. Peak GPU memory of one call
 after the timing: native, torch's `max_memory_allocated`; the bridge's E+F, torch's (the stage ops'
-intermediates) plus JAX's `peak_bytes_in_use` (the process peak so far: it cannot be reset; JAX holds
-only the block's arrays and gradients, MiB against torch's GiB). `--profile` adds, per
+intermediates and kept graphs) plus what the E+F program holds in JAX's pool: its arguments, results and
+XLA's temporaries (the stage ops' outputs, gradients), from the compiled program's `memory_analysis()`.
+JAX's `peak_bytes_in_use` is shown beside it: the process peak so far, which cannot be reset and also
+counts compilation (autotuning scratch), so it is no per-call figure. `--profile` adds, per
 size, three calls of each side under `torch.profiler` and what the bridge's E+F runs beyond
 native's, by name: kernels (count and device time per call) and torch CPU ops (count per
 call; on a GPU the stage ops run on the calling thread, so the profiler sees them).
@@ -53,6 +55,14 @@ def profile_by_name(call, sync, calls: int = 3) -> tuple[dict, dict, dict]:
         elif e.name.startswith("aten::"):
             cpu_ops[e.name] += 1 / calls
     return n_kernels, device_s, cpu_ops
+
+
+def program_bytes(fn, *args) -> float:
+    """Device bytes one call of `jax.jit(fn)` holds: arguments + results + XLA temporaries - aliased (memory_analysis)."""
+    import jax
+
+    m = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
 def peak_memory(run, platform: str) -> tuple[float, float]:
@@ -116,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = rep.table("Energy + forces per call", ["label", "dtype", "atoms", "rows (owned + ghost)", "native E+F ms",
                                                   "bridge E+F ms", "bridge/native", "bridge E+F+dE/dstrain ms",
                                                   "bridge/native", "parity (dE/E [node sums], max dF)",
-                                                  "peak GiB: native / bridge (torch + JAX)", "mem / native"])
+                                                  "peak GiB: native / bridge (torch + JAX program)", "mem / native",
+                                                  "JAX process peak GiB"])
     for dtype in [d for d in a.dtypes.split(",") if d]:
         tdt = getattr(torch, dtype)
         model = base.build_model(random_mace, tdt, cfg, True).to(dev)
@@ -150,14 +161,17 @@ def main(argv: list[str] | None = None) -> int:
                 tn, ts = cm.med(times["native"]), cm.med(times["bridge+strain"])
                 tb = cm.med(times["bridge"]) if "bridge" in times else float("nan")
                 mem_n = peak_memory(runs["native"], platform)[0]
-                mem_b = peak_memory(runs.get("bridge", runs["bridge+strain"]), platform)
+                torch_b, process_b = peak_memory(runs.get("bridge", runs["bridge+strain"]), platform)
+                lean = {"strain": False} if "bridge" in runs else {}
+                jax_b = program_bytes(lambda s, x: bridge.energy_and_gradients(s, x, **lean), state, pos)
                 r = state.rows_per_device()[0]
                 rep.row(rows, [a.label or "-", dtype, len(atoms), f"{r['owned']} + {r['ghost']}", cm.ms(tn),
                                cm.ms(tb) if tb == tb else "-", f"{tn / tb:.3f}x" if tb == tb else "-", cm.ms(ts),
                                f"{tn / ts:.3f}x", f"{de:.1e} [{de_nodes:.1e}], {df:.1e}" + ("" if ok else " MISMATCH"),
-                               f"{mem_n / 2**30:.3g} / {mem_b[0] / 2**30:.3g} + {mem_b[1] / 2**30:.2g}"
-                               if platform == "gpu" else "n/a (CPU)",
-                               f"{sum(mem_b) / mem_n:.2f}" if platform == "gpu" else "-"])
+                               f"{mem_n / 2**30:.3g} / {torch_b / 2**30:.3g} + {jax_b / 2**30:.2g}"
+                               if platform == "gpu" else f"n/a (CPU; JAX program {jax_b / 2**30:.2g})",
+                               f"{(torch_b + jax_b) / mem_n:.2f}" if platform == "gpu" else "-",
+                               f"{process_b / 2**30:.2g}" if platform == "gpu" else "-"])
                 if not ok:
                     raise AssertionError(f"{len(atoms)} atoms {dtype}: bridge vs native dE/E {de:.1e} (node sums "
                                          f"{de_nodes:.1e}), max dF {df:.1e}")
