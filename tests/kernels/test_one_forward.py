@@ -302,6 +302,25 @@ def test_pullback_called_twice_gives_the_same_gradient(path):
     np.testing.assert_array_equal(np.asarray(g2), np.asarray(g1))
 
 
+def test_ffi_pullback_on_copies_of_the_forwards_inputs_runs_the_op_again():
+    """The FFI forward reads XLA's input buffers in place, so its graph may hold them: a backward that gets
+    other buffers (here: the residuals copied) must not use it. It re-runs the op on what it got, exactly."""
+    k = TorchOpKernel(PAIR_SQ, call_path="ffi")
+    x = _x(5, seed=13)
+    c_rows = np.linspace(-1.0, 1.0, len(x))
+    want = _torch_pair_sq_grad(x, 2.0, 1.0, c_rows)
+    before = RUNS.n
+    (total, rows), pullback = jax.vjp(lambda x: k(x, 2.0), x)
+    moved = jax.tree.map(lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array) else a, pullback)
+    (g,) = moved((jnp.asarray(1.0), jnp.asarray(c_rows)))
+    assert RUNS.n == before + 2 and k.kept_graphs() == 0  # the forward, then again: the graph was dropped
+    np.testing.assert_allclose(np.asarray(g), want, rtol=1e-13)
+    (total, rows), pullback = jax.vjp(lambda x: k(x, 2.0), x)  # the residuals themselves: the graph is used
+    (g2,) = pullback((jnp.asarray(1.0), jnp.asarray(c_rows)))
+    assert RUNS.n == before + 3 and k.kept_graphs() == 0
+    np.testing.assert_array_equal(np.asarray(g2), np.asarray(g))
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_forwards_whose_pullback_never_runs_keep_at_most_the_cap(path):
     k = TorchOpKernel(PAIR_SQ, call_path=path)

@@ -1,7 +1,7 @@
 // The two calls of a differentiated op: the forward runs the op once under torch autograd, writes its
 // results and keeps the graph in the plan's table (graphs.cc) under a token; the backward takes that graph
-// (or re-runs the op on the saved inputs where it is gone) and writes the input gradients for the incoming
-// cotangents. Included by torch_call.cc (one translation unit: build.py compiles that file alone).
+// (or re-runs the op on the backward's inputs where it is gone, or was kept for other input buffers) and
+// writes the input gradients for the incoming cotangents. Included by torch_call.cc (one translation unit: build.py compiles that file alone).
 
 #pragma once
 
@@ -25,20 +25,23 @@ namespace jb {
 
 // The op under autograd from the top of the dispatcher (its autograd kernel, a register_autograd
 // formula or a composite's decomposition, records the graph) on the FFI arguments of a
-// differentiated call's plan. The inputs are cloned where `keep` (the graph outlives XLA's
-// buffers) and else only where the op mutates them (never into XLA's buffer); the differentiated
-// ones are leaves. Fills `graph` and `results` (returns, then mutated arguments).
-ffi::Error run_autograd(const Plan& plan, ffi::RemainingArgs args, c10::Device device, bool keep, Graph& graph,
+// differentiated call's plan. The inputs are XLA's buffers, read in place (the graph may save them:
+// `graph.inputs` records which, for the backward to check), except those the op mutates, which are
+// cloned (never written into XLA's buffer); the differentiated ones are leaves. Fills `graph` and
+// `results` (returns, then mutated arguments).
+ffi::Error run_autograd(const Plan& plan, ffi::RemainingArgs args, c10::Device device, Graph& graph,
                         std::vector<at::Tensor>& results) {
   at::AutoGradMode grad_on(true);
   std::vector<c10::IValue> stack = plan.stack;
   graph.leaves.assign(plan.n_leaves, at::Tensor());
+  graph.inputs.clear();
   std::vector<at::Tensor> mutated;
   for (const Slot& s : plan.slots) {
     auto a = args.get<ffi::AnyBuffer>(s.index);
     if (a.has_error()) return a.error();
     at::Tensor t = as_tensor(*a, device, plan, "argument", s.index);
-    if (keep || s.cloned) t = t.clone();
+    graph.inputs.push_back(s.cloned ? 0 : reinterpret_cast<uintptr_t>(a->untyped_data()));
+    if (s.cloned) t = t.clone();
     if (s.leaf >= 0) {
       t.requires_grad_(true);
       graph.leaves[s.leaf] = t;
@@ -107,7 +110,7 @@ ffi::Error run_keep(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRet
   }
   Graph graph;
   std::vector<at::Tensor> results;
-  ffi::Error err = run_autograd(plan, args, device, /*keep=*/true, graph, results);
+  ffi::Error err = run_autograd(plan, args, device, graph, results);
   if (err.failure()) return err;
   at::NoGradGuard no_grad;
   for (size_t j = 0; j < results.size(); ++j) {
@@ -123,6 +126,20 @@ ffi::Error run_keep(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRet
   const auto token = plan.graphs->keep(std::move(graph), site_of(run, device, **b));
   token_word_view(want).fill_(token_word(token.first, token.second));  // a fill, not a copy from the host: no sync
   return ffi::Error::Success();
+}
+
+// Whether a backward's input buffers are the ones its graph's forward read in place. XLA keeps a value's
+// buffer unchanged while a later call still reads it, so in the forward's own program (where the backward
+// reads the same values) they are; a pullback given copies (another program's residuals) gets others, and
+// the graph, which may hold the forward's buffers, must not be used then.
+bool same_inputs(const Plan& plan, ffi::RemainingArgs args, const Graph& graph) {
+  if (graph.inputs.size() != plan.slots.size()) return false;
+  for (size_t i = 0; i < plan.slots.size(); ++i) {
+    if (graph.inputs[i] == 0) continue;  // the forward read a clone
+    auto a = args.get<ffi::AnyBuffer>(plan.slots[i].index);
+    if (a.has_error() || reinterpret_cast<uintptr_t>(a->untyped_data()) != graph.inputs[i]) return false;
+  }
+  return true;
 }
 
 // torch's autograd engine on the calling thread (XLA's, on XLA's stream already) for as long as it lives,
@@ -167,12 +184,13 @@ ffi::Error run_backward(const Plan& plan, ffi::RemainingArgs args, ffi::Remainin
     at::Tensor host = token.to(c10::kCPU);  // a GPU: one stream synchronisation
     kept = table.take(host.data_ptr<int32_t>()[0], host.data_ptr<int32_t>()[1]);
   }
+  if (kept && !same_inputs(plan, args, *kept)) kept.reset();  // dropped (reading no buffer); the op runs again
   Graph graph;
   if (kept) {
     graph = std::move(*kept);
   } else {
     std::vector<at::Tensor> results;
-    ffi::Error err = run_autograd(plan, args, device, /*keep=*/false, graph, results);
+    ffi::Error err = run_autograd(plan, args, device, graph, results);
     if (err.failure()) return err;
   }
   std::vector<at::Tensor> outs, cts;

@@ -35,8 +35,11 @@
 namespace jb {
 
 struct Graph {
-  std::vector<at::Tensor> leaves;   // the differentiated inputs (clones), in the plan's leaf order
+  std::vector<at::Tensor> leaves;   // the differentiated inputs, in the plan's leaf order
   std::vector<at::Tensor> outputs;  // per cotangent: the op result, or undefined where no graph reaches it
+  // Per plan slot, the address of the XLA buffer the forward read in place (0: it read a clone). The
+  // graph may hold these buffers themselves, so it is valid only for a backward that gets the same ones.
+  std::vector<uintptr_t> inputs;
 };
 
 // Where a forward wrote its token: the run of the program, the device and the token buffer.
