@@ -17,31 +17,11 @@ change to the driver.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
-from collections.abc import Iterator
 
 import _common as cm
 import numpy as np
-
-
-@contextlib.contextmanager
-def compile_seconds() -> Iterator[list[float]]:
-    """The seconds of each XLA compilation inside the block (JAX's backend compile events)."""
-    import jax
-
-    seen: list[float] = []
-
-    def listener(event: str, duration: float, **_: object) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from nvalchemi_jaxbridge.demo.systems import maxwell_boltzmann
     from nvalchemi_jaxbridge.mlip import MPNN, DistributedMLIP, MPNNWrapper
     from nvalchemi_jaxbridge.mlip.dynamics import nve
+    from tests.compile_events import backend_compiles
     from tests.mlip._reference import alloy
 
     dev = torch.device("cuda", 0) if platform == "gpu" else torch.device("cpu")
@@ -88,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             run()  # compiles the chunk programs
             walls, compiled, out = [], [], None
             for _ in range(runs):
-                with compile_seconds() as seen:
+                with backend_compiles() as seen:
                     t0 = time.perf_counter()
                     out = run()
                     walls.append(time.perf_counter() - t0)

@@ -9,15 +9,13 @@ its layout on the skin criterion.
 
 from __future__ import annotations
 
-import contextlib
-
-import jax
 import numpy as np
 import pytest
 
 from nvalchemi_jaxbridge.demo.systems import maxwell_boltzmann
 from nvalchemi_jaxbridge.mlip import DistributedMLIP
 from nvalchemi_jaxbridge.mlip.dynamics import nve
+from tests.compile_events import backend_compiles
 from tests.mlip import cases
 from tests.mlip._reference import reference_nve
 
@@ -50,22 +48,6 @@ def test_a_step_too_long_for_the_skin_is_refused():
     with pytest.raises(ValueError, match="moved more than skin/2"):
         nve(DistributedMLIP(w, n_devices=2, skin=0.1), atoms.positions, v, masses, atoms.numbers,
             atoms.cell.array, atoms.pbc, steps=5, dt=1.0, check_every=5)
-
-
-@contextlib.contextmanager
-def backend_compiles():
-    """The XLA compilations that happen inside the block (JAX's compile-duration events), as a list."""
-    seen: list[float] = []
-
-    def listener(event: str, duration: float, **_: object) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def test_a_second_run_on_the_same_model_compiles_nothing_and_repeats_the_first():
