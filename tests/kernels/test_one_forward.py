@@ -322,6 +322,28 @@ def test_ffi_pullback_on_copies_of_the_forwards_inputs_runs_the_op_again():
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_gradient_through_a_scan_of_the_op_is_exact(path):
+    """`jax.grad` of a `lax.scan` runs every forward first and the backwards after, in reverse, on the
+    stacked residuals (copies of what each forward read); more steps than a table keeps graphs."""
+    k = TorchOpKernel(PAIR_SQ, call_path=path)
+    energy = lambda x: k(x, 1.5)[0]  # noqa: E731
+    steps = GRAPH_CAP + 8
+
+    def loss(x, e):
+        def body(c, _):
+            return c * 0.99 + 0.001 * jnp.sin(c), e(c)
+
+        c, es = jax.lax.scan(body, x, None, length=steps)
+        return jnp.sum(es) + e(c)
+
+    x = _x(6, seed=14)
+    got = jax.jit(jax.grad(lambda x: loss(x, energy)))(x)
+    want = jax.grad(lambda x: loss(x, lambda c: 1.5 * jnp.sum(c * c)))(x)  # the op's energy in plain JAX
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12)
+    assert k.kept_graphs() == 0
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_forwards_whose_pullback_never_runs_keep_at_most_the_cap(path):
     k = TorchOpKernel(PAIR_SQ, call_path=path)
     x = _x(3, seed=7)
