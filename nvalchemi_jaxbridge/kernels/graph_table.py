@@ -17,11 +17,11 @@ forwards of the same call evict it. The FFI path keeps its graphs in C++ the
 same way (`ffi/graphs.cc`: one table per differentiated-forward plan, that is
 per op and static arguments; same cap), except that its forward reads XLA's
 input buffers in place instead of cloning them, and its backward uses a graph
-only when it gets those same buffers (else it re-runs the op). The backward is not marked as a side
-effect (`has_side_effect`), which would keep it from being dropped: a program
-whose gradient is unused would then pay for a backward it does not need, and
-the effect would add ordering tokens to every differentiated program; the cap
-bounds what a dropped backward leaves behind instead.
+only when it gets those same buffers (else it re-runs the op). The backward is
+not marked as a side effect (`has_side_effect`), which would keep it from being
+dropped: a program whose gradient is unused would then pay for a backward it
+does not need, and the effect would add ordering tokens to every differentiated
+program; the cap bounds what a dropped backward leaves behind instead.
 
 On a GPU the token is written with two fills on XLA's stream. On the callback
 path the backward reads it back to the host, which waits for the stream to reach

@@ -1,7 +1,8 @@
 // The two calls of a differentiated op: the forward runs the op once under torch autograd, writes its
 // results and keeps the graph in the plan's table (graphs.cc) under a token; the backward takes that graph
 // (or re-runs the op on the backward's inputs where it is gone, or was kept for other input buffers) and
-// writes the input gradients for the incoming cotangents. Included by torch_call.cc (one translation unit: build.py compiles that file alone).
+// writes the input gradients for the incoming cotangents. Included by torch_call.cc (one translation
+// unit: build.py compiles that file alone).
 
 #pragma once
 
@@ -128,10 +129,11 @@ ffi::Error run_keep(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRet
   return ffi::Error::Success();
 }
 
-// Whether a backward's input buffers are the ones its graph's forward read in place. XLA keeps a value's
-// buffer unchanged while a later call still reads it, so in the forward's own program (where the backward
-// reads the same values) they are; a pullback given copies (another program's residuals) gets others, and
-// the graph, which may hold the forward's buffers, must not be used then.
+// Whether a backward's input buffers are the ones its graph's forward read in place. The backward's inputs
+// are the forward's residuals, the same values, and XLA writes no buffer that a pending call still reads:
+// where the buffer is the forward's, it holds what the forward read, and the graph may read it. Other
+// buffers (copies: another program's residuals, a scan's stacked ones) mean the graph may hold memory that
+// is gone or reused; it must not be used then.
 bool same_inputs(const Plan& plan, ffi::RemainingArgs args, const Graph& graph) {
   if (graph.inputs.size() != plan.slots.size()) return false;
   for (size_t i = 0; i < plan.slots.size(); ++i) {
