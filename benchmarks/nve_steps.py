@@ -21,7 +21,6 @@ import sys
 import time
 
 import _common as cm
-import numpy as np
 
 
 def main(argv: list[str] | None = None) -> int:
