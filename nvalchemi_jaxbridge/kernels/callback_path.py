@@ -124,6 +124,18 @@ def _op_caller(
     return call
 
 
+def write_result(name: str, j: int, got: torch.Tensor, want: torch.Tensor) -> None:
+    """The op's result `j` copied into XLA's buffer `want`, after checking it is the shape and dtype JAX expects."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise ValueError(
+            f"op {name}: return {j} is {list(got.shape)} {got.dtype} but JAX expected {list(want.shape)} "
+            f"{want.dtype} (from the op's fake implementation); its register_fake disagrees with its real "
+            "implementation. Make the function registered with register_fake return the shapes and dtypes "
+            "the op really returns"
+        )
+    want.copy_(got)
+
+
 def forward(binding: OpBinding, statics, array_pos, mutated_pos, specs) -> Callable[..., tuple[jax.Array, ...]]:
     """The op's forward as a `buffer_callback` of the arrays, returning the results `specs`."""
     n_ret = binding.n_returns
@@ -137,9 +149,9 @@ def forward(binding: OpBinding, statics, array_pos, mutated_pos, specs) -> Calla
     def body(outs: Sequence[Any], ins: Sequence[Any]) -> None:
         t_out = [buffer_to_torch(b) for b in outs]
         res = call([buffer_to_torch(ins[k]) if j is None else t_out[j] for k, j in enumerate(source)])
-        for o, r in zip(t_out, res):  # returns only; mutated arguments were written in place
+        for j, (o, r) in enumerate(zip(t_out, res)):  # returns only; mutated arguments were written in place
             if o.data_ptr() != r.data_ptr() or o.numel() == 0:
-                o.copy_(r)  # a functional op allocates its result: one device copy
+                write_result(binding.name, j, r, o)  # a functional op allocates its result: one device copy
 
     callback = _on_xla_stream(binding.name, "call", False, body)
     return buffer_callback(callback, specs, input_output_aliases=aliases or None)
@@ -229,8 +241,8 @@ def forward_keeping(
     def body(outs: Sequence[Any], ins: Sequence[Any]) -> None:
         leaves, results, outputs = _run_under_autograd(plan, ins, keep=True)
         set_grad(False)
-        for b, r in zip(outs, results):  # mutated arguments too: the op wrote into clones
-            buffer_to_torch(b).copy_(r)
+        for j, (b, r) in enumerate(zip(outs, results)):  # mutated arguments too: the op wrote into clones
+            write_result(binding.name, j, r, buffer_to_torch(b))
         token = buffer_to_torch(outs[-1])
         for j, v in enumerate(table.keep((leaves, outputs))):
             token[j].fill_(v)  # a fill, not a copy from the host: no stream synchronisation

@@ -461,6 +461,10 @@ def test_fake_that_lies_about_a_shape_is_named():
     k = TorchOpKernel(torch.ops.ktffi.liar.default, call_path="ffi")
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"ktffi::liar: return 0 is \[3\] Double but JAX expected \[4\] Double.*register_fake"):
         jax.block_until_ready(jax.jit(k)(jnp.ones(4)))
+    k = TorchOpKernel(torch.ops.ktffi.liar.default, call_path="callback")  # the same words on the other path
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=r"ktffi::liar: return 0 is \[3\] torch.float64 but JAX expected \[4\] torch.float64.*register_fake"):
+        jax.block_until_ready(jax.jit(k)(jnp.ones(4)))
 
 
 def test_ineligible_call_falls_back_under_auto_and_raises_under_ffi():
