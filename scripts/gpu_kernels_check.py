@@ -15,14 +15,18 @@ Checks (each prints PASS/FAIL; exit status 1 if any FAIL):
                                  finished values (it runs on XLA's stream via ExternalStream)
   zero-copy                      data_ptr() inside the op == unsafe_buffer_pointer() of the input
   dlpack                         torch <-> jax round trip shares memory; misaligned views refused
+  errors                         an op that raises, an op whose fake lies about a shape, and a
+                                 backward that raises: each must reach JAX as an error naming the
+                                 op (each case in a child process, so a crash is a FAIL, not the end)
 An INFO line shows what the same callback gives without ExternalStream (expected to race).
 No pytest needed. Works with jax 0.11.2+ (no 0.12-only APIs).
-`--paths callback` (or `ffi`) runs one path only.
+`--paths callback` (or `ffi`) runs one path only; `--error-case CASE` is the child process of `errors`.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax initialises
@@ -149,6 +153,46 @@ def record_ptr(x: torch.Tensor) -> torch.Tensor:
 record_ptr.register_fake(lambda x: torch.empty_like(x))
 
 
+@torch.library.custom_op("gpucheck::fails", mutates_args=())
+def fails(x: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("boom from gpucheck::fails")
+
+
+fails.register_fake(lambda x: torch.empty_like(x))
+
+
+@torch.library.custom_op("gpucheck::liar", mutates_args=())
+def liar(x: torch.Tensor) -> torch.Tensor:
+    return x[:-1] * 2  # one row fewer than its fake says
+
+
+liar.register_fake(lambda x: torch.empty_like(x))
+
+
+@torch.library.custom_op("gpucheck::bad_bwd", mutates_args=())
+def bad_bwd(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+def _bad_bwd_backward(ctx, g):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(g, FakeTensor):  # the bridge's trace-time check that the op is differentiable passes
+        return g * 3
+    raise RuntimeError("boom in the backward of gpucheck::bad_bwd")
+
+
+bad_bwd.register_fake(lambda x: torch.empty_like(x))
+bad_bwd.register_autograd(_bad_bwd_backward)
+
+# case -> (op, differentiate, text the JAX error must hold)
+ERROR_CASES = {
+    "raises": ("fails", False, "boom from gpucheck::fails"),
+    "lies": ("liar", False, "return 0 is [3]"),
+    "backward-raises": ("bad_bwd", True, "boom in the backward of gpucheck::bad_bwd"),
+}
+
+
 # ------------------------------------------------------------------ checks
 
 
@@ -253,9 +297,46 @@ def check_dlpack() -> None:
     report("dlpack", ok and refused, f"shared={ok}, misaligned view refused={refused}")
 
 
+def error_case(case: str, path: str) -> int:
+    """In a child process: run one failing op on the default device; 0 if JAX raised with the op's message."""
+    if case not in ERROR_CASES:
+        print(f"unknown --error-case {case!r}; the cases are: {', '.join(ERROR_CASES)}", file=sys.stderr)
+        return 2
+    op, differentiate, text = ERROR_CASES[case]
+    k = TorchOpKernel(getattr(torch.ops.gpucheck, op).default, call_path=path)
+    x = jnp.ones(4, jnp.float64)
+    try:
+        if differentiate:
+            jax.block_until_ready(jax.jit(jax.grad(lambda x: k(x).sum()))(x))
+        else:
+            jax.block_until_ready(jax.jit(k)(x))
+    except jax.errors.JaxRuntimeError as e:
+        if text in str(e):
+            return 0
+        print(f"the error does not name the op's failure: {str(e)[:300]}", flush=True)
+        return 3
+    print("no error raised", flush=True)
+    return 4
+
+
+def check_errors(path: str) -> None:
+    for case in ERROR_CASES:
+        res = subprocess.run([sys.executable, os.path.abspath(__file__), "--error-case", case, "--paths", path],
+                             capture_output=True, text=True, timeout=300)
+        if res.returncode == 0:
+            detail = "raised in JAX with the op's message"
+        elif res.returncode < 0:
+            detail = f"the process died of signal {-res.returncode}: {res.stderr.strip()[-300:]}"
+        else:
+            detail = (res.stdout.strip() or res.stderr.strip())[-300:]
+        report(f"errors-{case}-{path}", res.returncode == 0, detail)
+
+
 def main() -> int:
     if "--paths" in sys.argv:
         PATHS[:] = sys.argv[sys.argv.index("--paths") + 1].split(",")
+    if "--error-case" in sys.argv:  # the child process of check_errors
+        return error_case(sys.argv[sys.argv.index("--error-case") + 1], PATHS[0])
     print(f"jax {jax.__version__}, torch {torch.__version__}, triton {triton.__version__}, devices {jax.devices()}", flush=True)
     try:
         has_gpu = bool(jax.devices("gpu"))
@@ -271,6 +352,7 @@ def main() -> int:
         guarded(f"parity-2gpu-{path}", lambda: check_two_gpus(path))
         guarded(f"stream-rule-{path}", lambda: check_stream_rule(path))
         guarded(f"zero-copy-{path}", lambda: check_zero_copy(path))
+        guarded(f"errors-{path}", lambda: check_errors(path))
     guarded("dlpack", check_dlpack)
     print(f"{'FAIL' if FAILED else 'PASS'} all: {len(FAILED)} failed {FAILED if FAILED else ''}", flush=True)
     return 1 if FAILED else 0
