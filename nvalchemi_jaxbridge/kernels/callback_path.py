@@ -125,7 +125,8 @@ def _op_caller(
 
 
 def write_result(name: str, j: int, got: torch.Tensor, want: torch.Tensor) -> None:
-    """The op's result `j` copied into XLA's buffer `want`, after checking it is the shape and dtype JAX expects."""
+    """The op's result `j` written into XLA's buffer `want` (unless the op wrote it there itself), after checking
+    it is the shape and dtype JAX expects (as the FFI path's `write_result` in `ffi/buffers.cc`)."""
     if got.shape != want.shape or got.dtype != want.dtype:
         raise ValueError(
             f"op {name}: return {j} is {list(got.shape)} {got.dtype} but JAX expected {list(want.shape)} "
@@ -133,7 +134,8 @@ def write_result(name: str, j: int, got: torch.Tensor, want: torch.Tensor) -> No
             "implementation. Make the function registered with register_fake return the shapes and dtypes "
             "the op really returns"
         )
-    want.copy_(got)
+    if want.numel() != 0 and got.data_ptr() != want.data_ptr():
+        want.copy_(got)  # the op allocated its result: one device copy
 
 
 def forward(binding: OpBinding, statics, array_pos, mutated_pos, specs) -> Callable[..., tuple[jax.Array, ...]]:
@@ -150,8 +152,7 @@ def forward(binding: OpBinding, statics, array_pos, mutated_pos, specs) -> Calla
         t_out = [buffer_to_torch(b) for b in outs]
         res = call([buffer_to_torch(ins[k]) if j is None else t_out[j] for k, j in enumerate(source)])
         for j, (o, r) in enumerate(zip(t_out, res)):  # returns only; mutated arguments were written in place
-            if o.data_ptr() != r.data_ptr() or o.numel() == 0:
-                write_result(binding.name, j, r, o)  # a functional op allocates its result: one device copy
+            write_result(binding.name, j, r, o)
 
     callback = _on_xla_stream(binding.name, "call", False, body)
     return buffer_callback(callback, specs, input_output_aliases=aliases or None)
