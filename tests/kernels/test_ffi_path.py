@@ -461,6 +461,8 @@ def test_fake_that_lies_about_a_shape_is_named():
     k = TorchOpKernel(torch.ops.ktffi.liar.default, call_path="ffi")
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"ktffi::liar: return 0 is \[3\] Double but JAX expected \[4\] Double.*register_fake"):
         jax.block_until_ready(jax.jit(k)(jnp.ones(4)))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"return 0 is \[1, 3\] Float but JAX expected \[2, 3\] Float"):
+        jax.block_until_ready(jax.jit(k)(jnp.ones((2, 3), jnp.float32)))
     k = TorchOpKernel(torch.ops.ktffi.liar.default, call_path="callback")  # the same words on the other path
     with pytest.raises(jax.errors.JaxRuntimeError,
                        match=r"ktffi::liar: return 0 is \[3\] torch.float64 but JAX expected \[4\] torch.float64.*register_fake"):
@@ -609,6 +611,19 @@ def test_failed_build_names_the_command_and_output(tmp_path, monkeypatch):
     with pytest.raises(KernelError, match=r"(?s)failed \(exit 3\).*command: .*fakecxx .*torch_call\.cc.*cannot compile \(test compiler\).*call_path=\"callback\""):
         build.build(build.config(), quiet=True)
     assert not list((tmp_path / "cache").rglob("*.so"))
+
+
+def test_ffi_sources_write_no_iostreams():
+    """The handler's messages are joined with std::to_string, not written through an iostream: on the H200
+    machine the first number written into an ostringstream inside the built library crashed the process
+    (SIGSEGV), so the error of an op whose fake lies ended the process instead of reaching JAX. CI has no GPU;
+    `scripts/gpu_kernels_check.py` (errors-lies-ffi) is the check there."""
+    sources = sorted(pathlib.Path(build.SOURCE).parent.glob("*.cc"))
+    assert len(sources) >= 5
+    for path in sources:
+        code = "\n".join(line.split("//")[0] for line in path.read_text().splitlines())
+        for banned in ("<sstream>", "<iostream>", "ostringstream", "std::cout", "std::cerr", "c10::str("):
+            assert banned not in code, f"{path.name} uses {banned}; join messages with jb::text (plan.cc)"
 
 
 def test_real_build_is_cached():

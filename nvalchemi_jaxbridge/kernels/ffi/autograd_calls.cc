@@ -15,7 +15,6 @@
 
 #include <cstdint>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -53,10 +52,9 @@ ffi::Error run_autograd(const Plan& plan, ffi::RemainingArgs args, c10::Device d
   }
   plan.op.callBoxed(stack);
   if (stack.size() != plan.n_returns) {
-    std::ostringstream os;
-    os << "op " << plan.name << " returned " << stack.size() << " value(s) under autograd, its schema declares "
-       << plan.n_returns << "; fix the op's implementation to match its schema";
-    return ffi::Error::Internal(os.str());
+    return ffi::Error::Internal(text("op ", plan.name, " returned ", stack.size(),
+                                      " value(s) under autograd, its schema declares ", plan.n_returns,
+                                      "; fix the op's implementation to match its schema"));
   }
   results.clear();
   for (size_t j = 0; j < plan.n_returns; ++j) {
@@ -218,11 +216,10 @@ ffi::Error run_backward(const Plan& plan, ffi::RemainingArgs args, ffi::Remainin
     if (want.numel() == 0) continue;
     const at::Tensor& got = grads[l];
     if (got.defined() && (got.sizes() != want.sizes() || got.scalar_type() != want.scalar_type())) {
-      std::ostringstream os;
-      os << "op " << plan.name << ": the gradient of differentiated input " << l << " is " << describe(got)
-         << " but JAX expected " << describe(want) << " (the input's shape and dtype); fix the op's "
-         << "backward formula (register_autograd) to return gradients shaped and typed like the inputs";
-      return ffi::Error::InvalidArgument(os.str());
+      return ffi::Error::InvalidArgument(
+          text("op ", plan.name, ": the gradient of differentiated input ", l, " is ", describe(got),
+               " but JAX expected ", describe(want), " (the input's shape and dtype); fix the op's backward "
+               "formula (register_autograd) to return gradients shaped and typed like the inputs"));
     }
     write_gradient(table, mismatch, got, want);
   }

@@ -9,7 +9,6 @@
 #include <ATen/ops/from_blob.h>
 
 #include <cstdint>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -46,10 +45,8 @@ at::Tensor as_tensor(const ffi::AnyBuffer& b, c10::Device device, const Plan& pl
                      size_t k) {
   c10::ScalarType st;
   if (!scalar_type_of(b.element_type(), &st)) {
-    std::ostringstream os;
-    os << "op " << plan.name << ": FFI " << what << " " << k << " has XLA element type "
-       << static_cast<int>(b.element_type()) << ", which torch has no equivalent for";
-    throw std::invalid_argument(os.str());
+    throw std::invalid_argument(text("op ", plan.name, ": FFI ", what, " ", k, " has XLA element type ",
+                                     static_cast<int>(b.element_type()), ", which torch has no equivalent for"));
   }
   auto dims = b.dimensions();
   std::vector<int64_t> sizes(dims.begin(), dims.end());
@@ -62,35 +59,32 @@ at::Tensor as_tensor(const ffi::AnyBuffer& b, c10::Device device, const Plan& pl
 }
 
 std::string describe(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes() << " " << c10::toString(t.scalar_type());
-  return os.str();
+  std::string s = "[";
+  for (size_t i = 0; i < t.sizes().size(); ++i) s += text(i == 0 ? "" : ", ", t.sizes()[i]);
+  return text(s, "] ", c10::toString(t.scalar_type()));
 }
 
 ffi::Error arity_error(const Plan& plan, const char* what, size_t n_args, size_t n_rets) {
-  std::ostringstream os;
-  os << "op " << plan.name << " (" << what << "): got " << n_args << " argument and " << n_rets
-     << " result buffer(s), the plan expects " << plan.n_args << " and " << plan.n_results
-     << "; this is a bug in nvalchemi_jaxbridge (the plan and the ffi_call disagree), please report it";
-  return ffi::Error::Internal(os.str());
+  return ffi::Error::Internal(text("op ", plan.name, " (", what, "): got ", n_args, " argument and ", n_rets,
+                                    " result buffer(s), the plan expects ", plan.n_args, " and ", plan.n_results,
+                                    "; this is a bug in nvalchemi_jaxbridge (the plan and the ffi_call "
+                                    "disagree), please report it"));
 }
 
 ffi::Error not_a_tensor(const Plan& plan, size_t j, const c10::IValue& v) {
-  std::ostringstream os;
-  os << "op " << plan.name << ": return " << j << " is a " << v.tagKind()
-     << ", not a Tensor; fix the op's implementation to return Tensors as its schema declares";
-  return ffi::Error::Internal(os.str());
+  return ffi::Error::Internal(text("op ", plan.name, ": return ", j, " is a ", v.tagKind(),
+                                    ", not a Tensor; fix the op's implementation to return Tensors as its "
+                                    "schema declares"));
 }
 
 // The op's result `j` written into XLA's result buffer `want` (unless the op wrote it there itself).
 ffi::Error write_result(const Plan& plan, size_t j, const at::Tensor& got, at::Tensor& want) {
   if (got.sizes() != want.sizes() || got.scalar_type() != want.scalar_type()) {
-    std::ostringstream os;
-    os << "op " << plan.name << ": return " << j << " is " << describe(got) << " but JAX expected "
-       << describe(want) << " (from the op's fake implementation); its register_fake disagrees with "
-       << "its real implementation. Make the function registered with register_fake return the "
-       << "shapes and dtypes the op really returns";
-    return ffi::Error::InvalidArgument(os.str());
+    return ffi::Error::InvalidArgument(
+        text("op ", plan.name, ": return ", j, " is ", describe(got), " but JAX expected ", describe(want),
+             " (from the op's fake implementation); its register_fake disagrees with its real implementation. "
+             "Make the function registered with register_fake return the shapes and dtypes the op really "
+             "returns"));
   }
   if (want.numel() != 0 && got.data_ptr() != want.data_ptr()) {
     want.copy_(got);  // the op allocated its result: one copy on the current stream

@@ -10,14 +10,32 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
-#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "graphs.cc"
 
 namespace jb {
+
+// Messages are joined from strings and std::to_string, never written through an iostream: on the
+// H200 machine (jax's CUDA plugin loaded, torch 2.11) the first number this library wrote into an
+// ostringstream crashed the process (SIGSEGV in the stream's number formatting), so the error a
+// user's op causes ended the process instead of reaching JAX. Integers only: no locale, no facets.
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, const char* v) { s += v; }
+template <class T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, char> && !std::is_same_v<T, bool>, int> = 0>
+inline void append(std::string& s, T v) {
+  s += std::to_string(v);
+}
+
+template <class... Parts>
+std::string text(const Parts&... parts) {
+  std::string s;
+  (append(s, parts), ...);
+  return s;
+}
 
 // Where a tensor argument of the op comes from: FFI argument `index` or FFI result `index`
 // (a mutated argument: XLA aliases it to its input, so the op writes into JAX's result).
@@ -79,9 +97,7 @@ struct Plan {
 //                the cotangents is the token
 
 [[noreturn]] void bad(const std::string& what, size_t line) {
-  std::ostringstream os;
-  os << "plan entry " << line << ": " << what;
-  throw std::invalid_argument(os.str());
+  throw std::invalid_argument(text("plan entry ", line, ": ", what));
 }
 
 int64_t parse_int(const std::string& s, size_t line) {
@@ -169,10 +185,8 @@ void decode_plan(Plan& plan, const std::string& encoded) {
   // the arguments a tensor slot may name: all of them, but a backward's token and cotangents
   const size_t n_inputs = plan.mode == Mode::kBackward ? plan.n_args - plan.outputs.size() - 1 : plan.n_args;
   if (lines.size() != schema.arguments().size()) {
-    std::ostringstream os;
-    os << "the plan has " << lines.size() << " argument(s) but the schema " << schema << " has "
-       << schema.arguments().size();
-    throw std::invalid_argument(os.str());
+    throw std::invalid_argument(text("the plan has ", lines.size(), " argument(s) but the schema of ", plan.name,
+                                     " has ", schema.arguments().size()));
   }
   plan.n_returns = schema.returns().size();
   size_t n_mutated = 0;

@@ -39,7 +39,6 @@
 #include <mutex>
 #include <optional>
 #include <shared_mutex>
-#include <sstream>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -66,6 +65,7 @@ using jb::Plan;
 using jb::run_backward;
 using jb::run_keep;
 using jb::Slot;
+using jb::text;
 using jb::write_result;
 
 // Plans live as long as the process and are never destroyed, not even at exit: a kept graph may
@@ -111,10 +111,9 @@ ffi::Error run_plan(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRet
     plan.op.callBoxed(stack);
   }
   if (stack.size() != plan.n_returns) {
-    std::ostringstream os;
-    os << "op " << plan.name << " returned " << stack.size() << " value(s), its schema declares "
-       << plan.n_returns << "; fix the op's implementation to match its schema";
-    return ffi::Error::Internal(os.str());
+    return ffi::Error::Internal(text("op ", plan.name, " returned ", stack.size(),
+                                      " value(s), its schema declares ", plan.n_returns,
+                                      "; fix the op's implementation to match its schema"));
   }
   for (size_t j = 0; j < plan.n_returns; ++j) {
     if (!stack[j].isTensor()) return not_a_tensor(plan, j, stack[j]);
