@@ -442,7 +442,8 @@ def test_op_raising_in_its_impl_reaches_jax(capfd):
         jax.block_until_ready(jax.jit(k)(jnp.ones(3)))
     # written to stderr at once too (a collective elsewhere in the program could end the process first)
     err = capfd.readouterr().err
-    assert "nvalchemi_jaxbridge: on device cpu: torch op ktffi::fails failed inside its FFI call" in err
+    device = "cpu" if jax.default_backend() == "cpu" else "cuda:0"  # the default device's, as torch names it
+    assert f"nvalchemi_jaxbridge: on device {device}: torch op ktffi::fails failed inside its FFI call" in err
     assert "boom from ktffi::fails" in err
 
 
