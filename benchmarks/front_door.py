@@ -281,20 +281,21 @@ def _breakdown(ctx, owned, ex, dev, *, iters: int, warmup: int, rounds: int
     import torch
     from jax.sharding import PartitionSpec as P
 
+    from nvalchemi_jaxbridge.torch import block_programs as BP
     from nvalchemi_jaxbridge.torch import functions as F
 
     oc, axis, n_dev = ctx.owned_capacity, ctx.axis, ctx.n_devices
     own_n = owned[: ctx.n_owned].contiguous()
-    block = F._pad(own_n, oc, ctx.memo)
-    g, _imported = F._to_global(ctx, block, "breakdown block")  # kept alive with `block`
+    block = BP._pad(own_n, oc, ctx.memo)
+    g, _imported = BP._to_global(ctx, block, "breakdown block")  # kept alive with `block`
     smap = lambda f: jax.jit(jax.shard_map(f, mesh=ctx.mesh, in_specs=P(axis), out_specs=P(axis)))  # noqa: E731
     trivial = smap(lambda x: x + 1)
     perm = [(i, (i + 1) % n_dev) for i in range(n_dev)]
     ppermute = smap(lambda x: jax.lax.ppermute(x, axis, perm))
     out = jax.block_until_ready(trivial(g))  # a program output of the block's shape, to export
-    prog = F._program(ctx, "gather_inputs(positions=False)",  # the transform's program (cached: same key)
-                      functools.partial(F._halo_forward, axis=axis, positions=False), tuple(block.shape),
-                      F._jax_dtype(block), tables=ctx.tables)
+    prog = BP._program(ctx, "gather_inputs(positions=False)",  # the transform's program (cached: same key)
+                       functools.partial(F._halo_forward, axis=axis, positions=False), tuple(block.shape),
+                       BP._jax_dtype(block), tables=ctx.tables)
     send = owned[ex.send].contiguous()
     torch_sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
 
@@ -306,10 +307,10 @@ def _breakdown(ctx, owned, ex, dev, *, iters: int, warmup: int, rounds: int
         "i": (lambda: trivial(g), jax_sync),
         "ii": (lambda: ppermute(g), jax_sync),
         "ii+": (lambda: prog.fwd(g, ctx.tables), jax_sync),
-        "iii": (lambda: F._to_global(ctx, block, "breakdown block")[0], jax_sync),
-        "iii+": (lambda: prog.fwd(F._to_global(ctx, block, "breakdown block")[0], ctx.tables), jax_sync),
-        "iv": (lambda: F._local_out(out, "breakdown output"), lambda _: torch_sync()),
-        "v": (lambda: F._pad(own_n, oc, ctx.memo), lambda _: torch_sync()),
+        "iii": (lambda: BP._to_global(ctx, block, "breakdown block")[0], jax_sync),
+        "iii+": (lambda: prog.fwd(BP._to_global(ctx, block, "breakdown block")[0], ctx.tables), jax_sync),
+        "iv": (lambda: BP._local_out(out, "breakdown output"), lambda _: torch_sync()),
+        "v": (lambda: BP._pad(own_n, oc, ctx.memo), lambda _: torch_sync()),
         "vi": (lambda: F.halo_from_owned(ctx, own_n, positions=False), lambda _: torch_sync()),
         "vii": (lambda: ex._a2a(send, len(ex.recv), ex.send_split, ex.recv_split), lambda _: torch_sync()),
     }

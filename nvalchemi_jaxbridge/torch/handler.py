@@ -47,6 +47,7 @@ from ..spec.transforms import (
     SliceOwned,
 )
 from . import functions as F
+from .block_programs import _jax_dtype
 from .shard_tensor import ShardMeta, ShardTensor
 
 _HALO_ONLY = (GatherInputs, SliceOwned, ScatterOutputs)
@@ -176,7 +177,7 @@ def _arg(label: str, where: str, t: Any, x: Any, src: ShardMeta) -> Any:
     if rows is None or rows < n_own:
         raise _rows_error(label, where, local, f"{type(t).__name__} needs at least n_owned = {n_own} rows "
                           f"on rank {ctx.rank}; pass this rank's block")
-    dtype = F._jax_dtype(local)
+    dtype = _jax_dtype(local)
     if isinstance(t, SliceOwned):
         return local[:n_own]
     if isinstance(t, GatherInputs):
@@ -212,7 +213,7 @@ def _out(label: str, where: str, t: Any, y: Any, src: ShardMeta) -> tuple[torch.
         raise TypeError(f"{label}: {where} declares {type(t).__name__} but the kernel returned "
                         f"{type(y).__name__} there; declare only tensor outputs")
     ctx = src.context
-    dtype = F._jax_dtype(y)
+    dtype = _jax_dtype(y)
     if isinstance(t, AllReduceSum):
         step = F.all_reduce_step(ctx, tuple(y.shape), dtype, replicated_consumer=t.replicated_consumer)
         return F.apply(F.AllReduceSumFn, y, step), ShardMeta(ctx, "replicated", False, src.spec)

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from .block_programs import _jax_dtype
 from .functions import (
     ScatterOutputsFn,
-    _jax_dtype,
     apply,
     gather_owned,
     halo_from_owned,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from . import functions as F
+from .block_programs import _jax_dtype
 from .meaning import refuse
 
 
@@ -23,7 +24,7 @@ def _replicated(ctx: Any, part: torch.Tensor, spec: Any) -> Any:
     """All-reduce of this rank's partial with the identity adjoint, as a replicated ShardTensor."""
     from .shard_tensor import ShardMeta, ShardTensor
 
-    step = F.all_reduce_step(ctx, tuple(part.shape), F._jax_dtype(part), replicated_consumer=True)
+    step = F.all_reduce_step(ctx, tuple(part.shape), _jax_dtype(part), replicated_consumer=True)
     total = F.apply(F.AllReduceSumFn, part.contiguous(), step)
     return ShardTensor._wrap(total, ShardMeta(ctx, "replicated", False, spec))
 

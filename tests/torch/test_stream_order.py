@@ -19,6 +19,7 @@ import torch
 
 from nvalchemi_jaxbridge.kernels.dlpack import torch_to_jax
 from nvalchemi_jaxbridge.layout import HaloPlan
+from nvalchemi_jaxbridge.torch import block_programs
 from nvalchemi_jaxbridge.torch import functions as F
 from tests.torch import model, stress
 
@@ -74,9 +75,9 @@ def test_output_is_converted_while_the_input_block_is_held(monkeypatch, plan, di
         at_convert.append([_uses(s) for s in exported])
         return real_convert(a, **kw)
 
-    real_convert = F.jax_to_torch
-    monkeypatch.setattr(F, "torch_to_jax", probe_import)
-    monkeypatch.setattr(F, "jax_to_torch", probe_convert)
+    real_convert = block_programs.jax_to_torch
+    monkeypatch.setattr(block_programs, "torch_to_jax", probe_import)
+    monkeypatch.setattr(block_programs, "jax_to_torch", probe_convert)
     got = step.forward(x) if direction == "forward" else step.backward(x)
     gc.collect()
     assert len(exported) == 1 and exported[0].data_ptr() != x.data_ptr()

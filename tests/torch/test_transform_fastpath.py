@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from nvalchemi_jaxbridge.layout import HaloPlan
 from nvalchemi_jaxbridge.torch import functions as F
+from nvalchemi_jaxbridge.torch.block_programs import _jax_dtype, _pad
 from nvalchemi_jaxbridge.torch.layer_exchange import fold_halo, refresh_halo
 
 
@@ -32,7 +33,7 @@ def _round_trip(ctx: F.PlanContext, x: torch.Tensor, w: torch.Tensor) -> tuple[t
     """ScatterOutputs(GatherInputs(x)) and d<w, out>/dx through the front door's functions."""
     x = x.clone().requires_grad_(True)
     halo = F.halo_from_owned(ctx, x, positions=False)
-    step = F.scatter_outputs_step(ctx, tuple(halo.shape), F._jax_dtype(halo))
+    step = F.scatter_outputs_step(ctx, tuple(halo.shape), _jax_dtype(halo))
     out = F.apply(F.ScatterOutputsFn, halo, step)
     (grad,) = torch.autograd.grad((out * w).sum(), x)
     return out.detach(), grad
@@ -71,7 +72,7 @@ def test_gather_full_and_all_reduce_match_closed_forms():
     full = F.gather_owned(ctx, torch.tensor(x_global[owned]))
     np.testing.assert_array_equal(full.numpy(), x_global)  # one rank: all rows, in global-id order
     y = torch.tensor(x_global)
-    step = F.all_reduce_step(ctx, tuple(y.shape), F._jax_dtype(y), replicated_consumer=False)
+    step = F.all_reduce_step(ctx, tuple(y.shape), _jax_dtype(y), replicated_consumer=False)
     np.testing.assert_array_equal(F.apply(F.AllReduceSumFn, y, step).numpy(), x_global)  # a sum over one rank
 
 
@@ -91,7 +92,7 @@ def test_pad_with_cached_zeros_matches_numpy_and_keeps_the_cache_zero(n, extra, 
     x = np.random.default_rng(n).normal(size=(n, *tail))
     want = np.concatenate([x, np.zeros((extra, *tail))])
     for _ in range(2):  # the second call takes the cached block
-        got = F._pad(torch.tensor(x), n + extra, memo)
+        got = _pad(torch.tensor(x), n + extra, memo)
         np.testing.assert_array_equal(got.numpy(), want)
         got.fill_(7.0)  # a caller writing into its block must not reach the cached zeros
     assert all(not z.any() for z in memo.values())
@@ -99,7 +100,7 @@ def test_pad_with_cached_zeros_matches_numpy_and_keeps_the_cache_zero(n, extra, 
 
 def test_pad_beyond_the_capacity_raises():
     with pytest.raises(ValueError, match="block of 5 rows exceeds the capacity 4"):
-        F._pad(torch.zeros(5, 3), 4, {})
+        _pad(torch.zeros(5, 3), 4, {})
 
 
 @settings(max_examples=6)
