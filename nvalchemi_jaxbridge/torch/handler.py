@@ -48,7 +48,8 @@ from ..spec.transforms import (
 )
 from . import functions as F
 from .block_programs import _jax_dtype
-from .shard_tensor import ShardMeta, ShardTensor
+from .shard_meta import ShardMeta
+from .shard_tensor import ShardTensor
 
 _HALO_ONLY = (GatherInputs, SliceOwned, ScatterOutputs)
 _SHARD_ONLY = (GatherInputsFull, SliceOutputsOwned)

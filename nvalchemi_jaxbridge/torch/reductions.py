@@ -18,11 +18,12 @@ import torch
 from . import functions as F
 from .block_programs import _jax_dtype
 from .meaning import refuse
+from .shard_meta import ShardMeta
 
 
 def _replicated(ctx: Any, part: torch.Tensor, spec: Any) -> Any:
     """All-reduce of this rank's partial with the identity adjoint, as a replicated ShardTensor."""
-    from .shard_tensor import ShardMeta, ShardTensor
+    from .shard_tensor import ShardTensor
 
     step = F.all_reduce_step(ctx, tuple(part.shape), _jax_dtype(part), replicated_consumer=True)
     total = F.apply(F.AllReduceSumFn, part.contiguous(), step)
