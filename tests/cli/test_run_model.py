@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from nvalchemi_jaxbridge.app import model_run
+from nvalchemi_jaxbridge.app import model_reference, model_run
 from nvalchemi_jaxbridge.app.cli import main
 from nvalchemi_jaxbridge.mlip import MPNN, MessagePassingWrapper, MPNNWrapper
 from tests.mlip._reference import reference
@@ -105,7 +105,7 @@ def test_periodic_graph_matches_ase_on_a_sheared_unwrapped_cell():
     cell[1] += 0.3 * cell[0]
     atoms.set_cell(cell, scale_atoms=True)
     atoms.positions += np.random.default_rng(0).integers(-2, 3, (len(atoms), 1)) * cell[2]  # unwrapped images
-    ei, unit = model_run.periodic_graph(atoms.positions, cell, (True, True, True), 4.0)
+    ei, unit = model_reference.periodic_graph(atoms.positions, cell, (True, True, True), 4.0)
     vec = atoms.positions[ei[1]] - atoms.positions[ei[0]] + unit @ cell
     i, j, d = neighborlist.neighbor_list("ijD", atoms, 4.0)  # D = pos[j] - pos[i] + S @ cell
     ours = sorted(zip(ei[0], ei[1], *np.round(vec, 8).T))
@@ -133,7 +133,7 @@ def test_the_reference_of_any_wrapper_runs_its_stages_on_the_whole_system():
             return self.inner.node_energies(g, e)
 
     atoms = _atoms(seed=2)
-    got = model_run.single_device_reference(Delegate(), atoms.positions, atoms.numbers, atoms.cell.array)
+    got = model_reference.single_device_reference(Delegate(), atoms.positions, atoms.numbers, atoms.cell.array)
     want = _independent(model, atoms)
     assert got["how"].startswith("Delegate stages")
     for key in ("energy", "forces", "stress", "atomic_energies"):
