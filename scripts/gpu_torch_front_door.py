@@ -110,15 +110,13 @@ def main() -> int:
             print(f"FAIL exchanges: the {a.nprocs}-process {a.platform} run exited with {code}")
             launch_failures += 1
         else:
-            te = t  # the exchange checks live in the same test module (one launch per world size there)
             ex = [json.loads((pathlib.Path(out_dir) / f"rank{r}_exchange.json").read_text()) for r in range(a.nprocs)]
-            checks += [(f.__name__, lambda f=f: f(ex)) for f in (
-                te.test_refresh_halo_puts_owner_values_on_ghosts_and_its_adjoint_sums_into_owners,
-                te.test_fold_halo_gives_every_copy_the_total_and_is_self_adjoint,
-                te.test_switched_off_exchanges_are_the_identity)]
+            exchange = [t.test_refresh_halo_puts_owner_values_on_ghosts_and_its_adjoint_sums_into_owners,
+                        t.test_fold_halo_gives_every_copy_the_total_and_is_self_adjoint,
+                        t.test_switched_off_exchanges_are_the_identity]
             if a.nprocs > 1:  # rows spread over ranks: meaningful from two processes
-                checks += [(f.__name__, lambda f=f: f(ex)) for f in (
-                    te.test_graph_parallel_refresh_gathers_all_rows_and_reduce_scatters_back,)]
+                exchange.append(t.test_graph_parallel_refresh_gathers_all_rows_and_reduce_scatters_back)
+            checks += [(f.__name__, lambda f=f: f(ex)) for f in exchange]
         if a.stress_iters > 0:
             code, log = _launch([str(ROOT / "tests/torch/stress.py"), out_dir, a.platform, "--iters",
                                  str(a.stress_iters), "--cells", str(a.cells)], a.nprocs, a.timeout, a.platform)
