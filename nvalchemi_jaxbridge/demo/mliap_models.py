@@ -148,7 +148,7 @@ class MLIAPMessagePassing:
         e = self._energies(types, vec, recv, send, len(types), lambda x: x)
         g_pos, g_strain = torch.autograd.grad(e.sum(), (pos, strain))
         volume = abs(float(np.linalg.det(np.asarray(cell, dtype=np.float64))))
-        out = {"energy": float(e.sum()), "forces": -g_pos.numpy(), "atomic_energies": e.detach().numpy()}
+        out = {"energy": float(e.sum().detach()), "forces": -g_pos.numpy(), "atomic_energies": e.detach().numpy()}
         if volume > 0:
             out["stress"] = g_strain.numpy() / volume
         return out

@@ -173,6 +173,23 @@ class DistributedMLIP:
         >>> out = model.evaluate(positions, numbers, cell)        # energy, forces, stress, atomic_energies
     """
 
+    def __new__(cls, wrapper: Any = None, **kwargs: Any) -> Any:
+        """A LAMMPS ML-IAP unified model object (`compute_forces`, `element_types`, `rcutfac`) gets its own
+        driver (`mliap_jax.JaxMLIAP`, same methods); anything else is a wrapper."""
+        from .mliap import is_mliap_model
+
+        if is_mliap_model(wrapper):
+            from .mliap_jax import JaxMLIAP
+
+            if kwargs.get("spec") is not None:
+                raise ValueError(
+                    "DistributedMLIP: an ML-IAP model takes no spec (it computes its own pair forces and asks for "
+                    "its own exchanges); leave spec=None."
+                )
+            kwargs.pop("spec", None)
+            return JaxMLIAP(wrapper, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, wrapper: MessagePassingWrapper, *, spec: Any = None, n_devices: int | None = None,
                  mesh: Any = None, exchange: str = "per_layer", skin: float = 0.5, headroom: float = 1.2,
                  call_path: str = "auto") -> None:
