@@ -72,7 +72,13 @@ class TorchMLIAP:
     returns (energy, forces, stress, virial, atomic energies, owned ids).
     """
 
-    def __init__(self, obj: Any, *, exchange: str = "per_layer", skin: float = 0.5, headroom: float = 1.2) -> None:
+    def __init__(self, obj: Any, *, exchange: str = "per_layer", skin: float = 0.5, headroom: float = 1.2,
+                 device: Any = None) -> None:
+        if device is not None:
+            raise ValueError(
+                f"TorchDistributedMLIP: device={device!r}, but an ML-IAP model places itself (its data is on the "
+                "rank's device, which initialize() chose); leave device out."
+            )
         if exchange != "per_layer":
             raise ValueError(
                 f"TorchDistributedMLIP: exchange={exchange!r}, but an ML-IAP model asks for its own exchanges "

@@ -84,6 +84,22 @@ class TorchDistributedMLIP:
     this rank's owned rows, with `owned_ids`).
     """
 
+    def __new__(cls, wrapper: Any = None, **kwargs: Any) -> Any:
+        """A LAMMPS ML-IAP unified model object gets its own driver (`mliap_torch.TorchMLIAP`, same
+        `prepare` / `update` / `evaluate`); anything else is a wrapper."""
+        from .mliap import is_mliap_model
+
+        if is_mliap_model(wrapper):
+            from .mliap_torch import TorchMLIAP
+
+            if kwargs.pop("spec", None) is not None:
+                raise ValueError(
+                    "TorchDistributedMLIP: an ML-IAP model takes no spec (it computes its own pair forces and asks "
+                    "for its own exchanges); leave spec=None."
+                )
+            return TorchMLIAP(wrapper, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, wrapper: MessagePassingWrapper, *, spec: Any = None, exchange: str = "per_layer",
                  skin: float = 0.5, headroom: float = 1.2) -> None:
         check_model(wrapper, exchange, skin, "TorchDistributedMLIP")
