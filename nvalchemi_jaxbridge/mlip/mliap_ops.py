@@ -66,7 +66,7 @@ class _Run:
         self.outbox.put(("exchange", (kind, src)))
         what, value = self.inbox.get()
         if what == "cancel":
-            raise _Cancelled()
+            raise _Cancelled("the evaluation this model run belonged to was abandoned")
         stream, dst = value
         if stream is not None:
             torch.cuda.set_stream(stream)
