@@ -91,10 +91,10 @@ class MLIAPModel:
             )
         return np.array([index[SYMBOLS[v]] for v in z], dtype=np.int32)
 
-    def compute(self, data: BlockData) -> None:
-        """`obj.compute_forces(data)`, its errors named as the model's."""
+    def compute(self, data: BlockData, obj: Any = None) -> None:
+        """`obj.compute_forces(data)` (default: the model's object), its errors named as the model's."""
         try:
-            self.obj.compute_forces(data)
+            (self.obj if obj is None else obj).compute_forces(data)
         except MLIAPError:
             raise
         except Exception as e:
@@ -103,8 +103,9 @@ class MLIAPModel:
                 f"ntotal={data.ntotal}, npairs={data.npairs})."
             ) from e
 
-    def probe_schedule(self, data: BlockData) -> tuple[ExchangeStep, ...]:
-        """Run the model once on `data` (whose exchange may be an identity) and record its exchanges."""
+    def probe_schedule(self, data: BlockData, obj: Any = None) -> tuple[ExchangeStep, ...]:
+        """Run the model (or `obj`, a copy of it) once on `data`, whose exchange may be an identity, and
+        record its exchanges."""
         steps: list[ExchangeStep] = []
         inner = data._exchange
 
@@ -114,7 +115,7 @@ class MLIAPModel:
 
         data._exchange = recording
         try:
-            self.compute(data)
+            self.compute(data, obj)
         finally:
             data._exchange = inner
         return tuple(steps)

@@ -23,6 +23,7 @@ First derivatives only: the interface gives pair forces, not their derivatives.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import jax
@@ -122,7 +123,8 @@ class JaxMLIAP:
         data = BlockData(torch.as_tensor(rij[keep]), torch.as_tensor(pairs[keep, 1]),
                          torch.as_tensor(pairs[keep, 0]), torch.as_tensor(elems[plan.halo_global[d, :n_real]]),
                          n_own, exchange=identity_exchange, model=self.name)
-        return self.model.probe_schedule(data)
+        # On a copy: a model may settle its device on its first call (MACE does), and this block is on the CPU.
+        return self.model.probe_schedule(data, copy.deepcopy(self.model.obj))
 
     def _state(self, plan: Any, edges: Any, elems: np.ndarray, numbers: np.ndarray, cell: np.ndarray,
                periodic: tuple[bool, bool, bool]) -> ModelState:

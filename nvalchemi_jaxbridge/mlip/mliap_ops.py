@@ -20,6 +20,7 @@ On a GPU the worker runs on the stream of the op that resumed it.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import queue
 import threading
@@ -30,6 +31,7 @@ import torch
 from ..kernels.torch_op import TorchOpKernel
 from .mliap import MLIAPModel, check_schedule
 from .mliap_data import BlockData, MLIAPError
+from .mliap_kokkos import block_data
 
 _NAMESPACE = "jaxbridge_mliap"
 _COUNTER = itertools.count()
@@ -42,8 +44,8 @@ class _Cancelled(BaseException):
 class _Run:
     """One `compute_forces` in a worker thread, stopped at each exchange."""
 
-    def __init__(self, model: MLIAPModel, data: BlockData, rows: int) -> None:
-        self.model, self.data, self.rows = model, data, rows
+    def __init__(self, model: MLIAPModel, obj: Any, data: BlockData, rows: int) -> None:
+        self.model, self.obj, self.data, self.rows = model, obj, data, rows
         self.inbox: queue.Queue = queue.Queue(maxsize=1)
         self.outbox: queue.Queue = queue.Queue(maxsize=1)
         self.done = False
@@ -55,7 +57,7 @@ class _Run:
         if self.start_stream is not None:
             torch.cuda.set_stream(self.start_stream)
         try:
-            self.model.compute(self.data)
+            self.model.compute(self.data, self.obj)
             self.outbox.put(("done", None))
         except _Cancelled:
             pass
@@ -102,7 +104,19 @@ class SegmentOps:
         self.model, self.call_path = model, call_path
         self._sets: dict[tuple, Any] = {}
         self._runs: dict[int, _Run] = {}
+        self._objs: dict[int, Any] = {}
         self._libs: list[Any] = []
+
+    def model_for(self, device: int) -> Any:
+        """The model object device `device` runs: a copy of its own (made on first use).
+
+        The devices' runs are concurrent threads of one process, where LAMMPS gives each rank its own
+        object: a model may keep state between calls or settle its device on its first call (MACE moves
+        itself to the device of the first data it sees), so one object must not serve several devices.
+        """
+        if device not in self._objs:
+            self._objs[device] = copy.deepcopy(self.model.obj)
+        return self._objs[device]
 
     def for_block(self, rows: int, pairs: int) -> Any:
         """The ops for blocks of `rows` rows and `pairs` pair slots (made once per shape and schedule)."""
@@ -122,10 +136,10 @@ class SegmentOps:
             old.cancel()
         k = keep.to(torch.bool)
         e = edges.to(torch.int64)
-        data = BlockData(rij[k], e[k, 1], e[k, 0], types[:n_real], n_own, model=self.model.name,
-                         exchange=lambda kind, src: src)
+        data = block_data(rij[k], e[k, 1], e[k, 0], types[:n_real], n_own, model=self.model.name,
+                          exchange=lambda kind, src: src)
         data._keep = k
-        run = self._runs[dev] = _Run(self.model, data, rows)
+        run = self._runs[dev] = _Run(self.model, self.model_for(dev), data, rows)
         return run
 
     def _output(self, run: _Run, index: int, what: str, value: Any) -> Any:

@@ -30,6 +30,7 @@ from ..torch import functions as F
 from .edges import EdgePlan
 from .mliap import ExchangeStep, MLIAPModel, check_schedule, identity_exchange
 from .mliap_data import BlockData, MLIAPError, pair_virial, row_forces
+from .mliap_kokkos import block_data
 from .specs import cell_volume
 
 _DTYPES = {1: torch.float32, 2: torch.float64, 3: torch.float16, 4: torch.bfloat16}
@@ -157,7 +158,7 @@ class TorchMLIAP:
         keep = (rij * rij).sum(1) < self.cutoff**2
         elems = torch.as_tensor(state.elems[state.plan.halo_global[rank, :n_real]], device=device)
         exchange = identity_exchange if probe else self._exchange(ctx)
-        return BlockData(rij[keep], i_t[keep], j_t[keep], elems, n_own, exchange=exchange, model=self.name)
+        return block_data(rij[keep], i_t[keep], j_t[keep], elems, n_own, exchange=exchange, model=self.name)
 
     def _exchange(self, ctx: Any) -> Any:
         def exchange(kind: str, src: torch.Tensor) -> torch.Tensor:
