@@ -10,11 +10,21 @@ before the layer runs. Autograd runs the adjoint exchanges: every rank
 differentiates its own owned node energies, and the exchanges' backward programs
 sum the ghost contributions into their owners across ranks, so each rank's
 forces on its owned atoms are exact. Energy and virial are all-reduced.
+
+Devices: every tensor of an evaluation lives on the rank's device, the front door's
+JAX device of this process as a torch device (`rank_device`: GPU `LOCAL_RANK` after
+`initialize()` on a GPU machine, else the CPU); the exchanges run on it through
+DLPack with no copy. The model must already be there: the wrapper's parameters and
+buffers (`wrapper_modules`) on another device are refused at the first evaluation
+(`device=` moves them at construction). Inputs come from the host once per layout;
+nothing goes back to the host before the results (and, with `as_tensors=True`,
+not even then).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import numpy as np
@@ -68,6 +78,54 @@ class TorchState:
     numbers: np.ndarray
     cell: np.ndarray
     periodic: tuple[bool, bool, bool]
+    # The layout's static block inputs on a device (parked row, edges, shifts, node attributes), by
+    # (device, dtype): uploaded once per layout, not once per evaluation. A rebuilt state starts empty.
+    uploaded: dict[tuple, tuple[torch.Tensor, ...]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False)
+
+
+def rank_device() -> torch.device:
+    """This process's device on the torch front door, as a torch device (`cuda:K` or `cpu`).
+
+    The front door's JAX device of this rank (`front_door_mesh`: GPU `LOCAL_RANK` after
+    `initialize()` on a GPU machine). Queries JAX's devices, so call it after `initialize()`.
+    """
+    import jax
+
+    return torch_device(F.front_door_mesh().devices.flat[jax.process_index()])
+
+
+def torch_device(device: Any) -> torch.device:
+    """The torch device of a JAX device (`cuda:<local id>` for a GPU, else `cpu`)."""
+    if device.platform == "gpu":
+        return torch.device("cuda", device.local_hardware_id)
+    return torch.device("cpu")
+
+
+def wrapper_modules(wrapper: Any) -> list[torch.nn.Module]:
+    """The torch modules of a wrapper, whose parameters and buffers must be on the rank's device.
+
+    The wrapper itself if it is a `torch.nn.Module`, else each of its attributes (`vars(wrapper)`)
+    that is one (`MPNNWrapper.model`, `MACEWrapper.model`, a user wrapper's `self.net`). Modules
+    kept elsewhere (in a list, a dict, a closure) are not found, and nothing of them is checked.
+    """
+    if isinstance(wrapper, torch.nn.Module):
+        return [wrapper]
+    return [v for v in vars(wrapper).values() if isinstance(v, torch.nn.Module)]
+
+
+def model_devices(wrapper: Any) -> set[torch.device]:
+    """The devices of the wrapper's parameters and buffers (empty if it has none that are found)."""
+    mods = wrapper_modules(wrapper)
+    return {t.device for m in mods for t in itertools.chain(m.parameters(), m.buffers())}
+
+
+def _normalized(device: Any) -> torch.device:
+    """`device` as a torch device with its index (`"cuda"` is the current CUDA device)."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
 
 
 class TorchDistributedMLIP:
@@ -78,10 +136,31 @@ class TorchDistributedMLIP:
         spec: an `MLIPSpec`/`DistributionSpec`, or None for the wrapper's own.
         exchange: "per_layer" or "deep_halo" (as for `DistributedMLIP`).
         skin, headroom: as for `DistributedMLIP`.
+        device: where this rank's model runs. None (default): the model stays where it is and
+            must already be on the rank's device (`rank_device()`: `cuda:LOCAL_RANK` after
+            `initialize()` on a GPU machine, else `cpu`). A device (`"cuda"` is the current
+            one, which `initialize()` sets to `LOCAL_RANK`): the wrapper's modules are moved
+            there now (`module.to(device)`); it must be the rank's device.
 
     Every rank passes the same global structure; results are global arrays on
     every rank (per-atom outputs listed in the spec's `owned_only_outputs`:
     this rank's owned rows, with `owned_ids`).
+
+    Every tensor of an evaluation is on the rank's device. The model's parameters and
+    buffers (those of `wrapper_modules(wrapper)`: the wrapper if it is a
+    `torch.nn.Module`, else its attributes that are) must be there too: another
+    device is refused at the first evaluation, naming both devices; a wrapper with
+    no module found is not checked.
+
+    Raises:
+        ValueError: (first evaluation) the model's parameters are not on the rank's
+            device, or `device=` is not the rank's device.
+
+    Example:
+        >>> initialize()                                        # under launch / torchrun / srun
+        >>> dm = TorchDistributedMLIP(MACEWrapper(model), device="cuda")    # model moved to cuda:LOCAL_RANK
+        >>> out = dm.evaluate(positions, numbers, cell)                      # numpy on the host
+        >>> out = dm.evaluate(positions, numbers, cell, as_tensors=True)     # torch tensors on cuda:LOCAL_RANK
     """
 
     def __new__(cls, wrapper: Any = None, **kwargs: Any) -> Any:
@@ -101,13 +180,49 @@ class TorchDistributedMLIP:
         return super().__new__(cls)
 
     def __init__(self, wrapper: MessagePassingWrapper, *, spec: Any = None, exchange: str = "per_layer",
-                 skin: float = 0.5, headroom: float = 1.2) -> None:
+                 skin: float = 0.5, headroom: float = 1.2, device: Any = None) -> None:
         check_model(wrapper, exchange, skin, "TorchDistributedMLIP")
         self.wrapper, self.exchange, self.skin, self.headroom = wrapper, exchange, float(skin), float(headroom)
         self.spec = as_mlip_spec(wrapper.distribution_spec() if spec is None else spec)
         self.settings: RunSettings = run_settings(self.spec, per_layer=exchange == "per_layer")
         self.model = StagedModel(wrapper)
+        self.requested_device = None if device is None else _normalized(device)
+        if self.requested_device is not None:
+            for module in wrapper_modules(wrapper):
+                module.to(self.requested_device)
+        self._device: torch.device | None = None  # the rank's device, once checked (first evaluation)
         self._ctx: Any = None
+
+    @property
+    def device(self) -> torch.device:
+        """The rank's device, where the model and every tensor of an evaluation live (checked on first use).
+
+        Raises:
+            ValueError: the model's parameters or buffers, or `device=`, are on another device.
+        """
+        if self._device is None:
+            self._device = self._checked_device(rank_device())
+        return self._device
+
+    def _checked_device(self, rank: torch.device) -> torch.device:
+        """`rank`, after checking that `device=` and the model's parameters and buffers are there."""
+        here = str(rank)
+        if self.requested_device is not None and self.requested_device != rank:
+            raise ValueError(
+                f"TorchDistributedMLIP: device={str(self.requested_device)!r} but this rank's device is "
+                f"{here!r} (rank {_rank()}; one process per device, GPU LOCAL_RANK after initialize()); "
+                f"pass device={here!r} or device=None (then move the model there yourself)."
+            )
+        if wrong := sorted(str(d) for d in model_devices(self.wrapper) if d != rank):
+            checked = ", ".join(type(m).__name__ for m in wrapper_modules(self.wrapper))
+            raise ValueError(
+                f"TorchDistributedMLIP: the model's parameters or buffers are on {', '.join(wrong)} but this "
+                f"rank's device is {here!r} (rank {_rank()}; modules checked: {checked}), where every tensor "
+                f"of an evaluation and the exchanges live; build it with TorchDistributedMLIP(..., "
+                f"device={here!r}), which moves the wrapper's modules there, or move the model yourself "
+                f"first (model.to({here!r}))."
+            )
+        return rank
 
     def distribution_spec(self) -> Any:
         """The spec this driver installs: the model's, plus the per-layer refresh adapters."""
@@ -169,30 +284,35 @@ class TorchDistributedMLIP:
     # ---------------------------------------------------------------- evaluation
 
     def evaluate(self, positions: Any, numbers: Any, cell: Any, pbc: Any = True, *,
-                 state: TorchState | None = None, stress: bool | None = None) -> dict[str, Any]:
-        """Energy, forces, stress and atomic energies (see `DistributedMLIP.evaluate`), on every rank."""
+                 state: TorchState | None = None, stress: bool | None = None,
+                 as_tensors: bool = False) -> dict[str, Any]:
+        """Energy, forces, stress and atomic energies (see `DistributedMLIP.evaluate`), on every rank.
+
+        Args:
+            as_tensors: False (default): numpy arrays on the host (energy a float). True: energy
+                (0-d), forces, atomic energies, virial and stress as detached torch tensors on the
+                rank's device (`self.device`), with no copy to the host; `owned_ids` stays numpy.
+                The tensors view the exchanges' output buffers: clone one before writing into it.
+        """
         s = self.settings
+        dev = self.device  # checks the model's device on first use
         state = self.prepare(positions, numbers, cell, pbc) if state is None else state
         want_stress = stress_wanted(s, stress, "TorchDistributedMLIP.evaluate")
-        plan, ctx = state.plan, F.context_for(state.plan)
+        ctx = F.context_for(state.plan)
         self._ctx = ctx
-        rank, n_own, n_pad = ctx.rank, ctx.n_owned, ctx.n_owned + ctx.n_ghost
+        n_own = ctx.n_owned
         dtype = self.wrapper.dtype
+        parked, edges, shift, attrs = self._uploaded(state, ctx, dev, dtype)
         pos = np.asarray(positions, dtype=np.float64)
-        pos_owned = torch.tensor(pos[ctx.owned_ids()], dtype=dtype, requires_grad=True)
+        pos_owned = torch.tensor(pos[ctx.owned_ids()], dtype=dtype, device=dev, requires_grad=True)
         pos_h = F.halo_from_owned(ctx, pos_owned, positions=True)
-        parked = torch.tensor(plan.halo_offset[rank, n_pad: n_pad + 1], dtype=dtype)
         block = torch.cat([pos_h, parked])
-        shift = torch.tensor(state.edges.shift[rank, : state.edges.n_edges[rank]], dtype=dtype)
-        strain = torch.zeros((3, 3), dtype=dtype, requires_grad=True) if want_stress else None
+        strain = torch.zeros((3, 3), dtype=dtype, device=dev, requires_grad=True) if want_stress else None
         if strain is not None:  # without stress nothing is differentiated for it
             sym = (strain + strain.T) / 2
             block = block + block @ sym
             shift = shift + shift @ sym  # lattice shifts follow the strained cell
-        attrs = self.wrapper.node_attrs(state.numbers)[plan.halo_global[rank, :n_pad]]
-        attrs = torch.tensor(np.concatenate([attrs, np.zeros((1, attrs.shape[1]), attrs.dtype)]), dtype=dtype)
-        graph = self._graph(block, attrs, state.edges.edges[rank, : state.edges.n_edges[rank]], shift,
-                            n_receivers=n_own if self.exchange == "per_layer" else None)
+        graph = self._graph(block, attrs, edges, shift, n_receivers=n_own if self.exchange == "per_layer" else None)
         registry = AdapterRegistry()
         installed = self.distribution_spec().distribution
         registry.install((*installed.custom_ops, *installed.third_party_helpers))
@@ -204,26 +324,51 @@ class TorchDistributedMLIP:
         finally:
             registry.restore()
         g_pos = torch.zeros_like(pos_owned) if g_pos is None else g_pos
-        out: dict[str, Any] = {"energy": float(self._sum(ctx, partial.detach().reshape(1))[0])}
+        out: dict[str, Any] = {"energy": self._sum(ctx, partial.detach().reshape(1))[0]}
         own_e = node_e[:n_own].detach()
         for key, value in (("forces", -g_pos), (s.node_energy_key, own_e)):
-            out[key] = value.numpy() if key in s.owned_only else F.gather_owned(ctx, value.contiguous()).numpy()
-        out["owned_ids"] = ctx.owned_ids()
+            out[key] = value if key in s.owned_only else F.gather_owned(ctx, value.contiguous())
         if strain is not None:
             g = torch.zeros_like(strain) if g_strain[0] is None else g_strain[0]
-            virial = -self._sum(ctx, g.reshape(1, 9)).reshape(3, 3).numpy()
+            virial = -self._sum(ctx, g.reshape(1, 9)).reshape(3, 3)
             volume = cell_volume(state.cell, "TorchDistributedMLIP.evaluate")
             out["virial"], out["stress"] = virial, -virial / volume
+        if not as_tensors:  # the only copies to the host, once everything is computed
+            out = {k: float(v) if k == "energy" else v.cpu().numpy() for k, v in out.items()}
+        out["owned_ids"] = ctx.owned_ids()
         return out
 
-    def _graph(self, block: torch.Tensor, attrs: torch.Tensor, edges: np.ndarray, shift: torch.Tensor, *,
+    def _uploaded(self, state: TorchState, ctx: Any, device: torch.device, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, ...]:
+        """The layout's static block inputs on `device`: parked row, edges `(2, E)`, shifts, node attributes.
+
+        Built on the host and copied to the device once per layout (kept in `state.uploaded`).
+        """
+        key = (ctx.rank, device, dtype)
+        hit = state.uploaded.get(key)
+        if hit is not None:
+            return hit
+        plan, e, rank = state.plan, state.edges, ctx.rank
+        n_pad, n_e = ctx.n_owned + ctx.n_ghost, int(e.n_edges[rank])
+        attrs = self.wrapper.node_attrs(state.numbers)[plan.halo_global[rank, :n_pad]]
+        attrs = np.concatenate([attrs, np.zeros((1, attrs.shape[1]), attrs.dtype)])
+        host = (
+            torch.tensor(plan.halo_offset[rank, n_pad: n_pad + 1], dtype=dtype),
+            torch.as_tensor(e.edges[rank, :n_e], dtype=torch.int64).T.contiguous(),
+            torch.tensor(e.shift[rank, :n_e], dtype=dtype),
+            torch.tensor(attrs, dtype=dtype),
+        )
+        hit = state.uploaded[key] = tuple(t.to(device) for t in host)
+        return hit
+
+    def _graph(self, block: torch.Tensor, attrs: torch.Tensor, ei: torch.Tensor, shift: torch.Tensor, *,
                n_receivers: int | None) -> BlockGraph:
         """The block graph with the edges longer than the cutoff (at these positions) left out.
 
-        `shift`: the edges' (strained) shift vectors; `n_receivers`: the owned rows, the only
-        receivers with per-layer exchange (None: every row).
+        `ei`: the block's `(2, E)` edges (senders, receivers); `shift`: their (strained) shift
+        vectors; `n_receivers`: the owned rows, the only receivers with per-layer exchange (None:
+        every row).
         """
-        ei = torch.as_tensor(edges, dtype=torch.int64).T
         with torch.no_grad():
             d = block[ei[1]] - block[ei[0]] + shift
             keep = (d * d).sum(1) < self.wrapper.cutoff**2
@@ -236,3 +381,10 @@ class TorchDistributedMLIP:
         step = F.all_reduce_step(ctx, tuple(x.shape), numpy_dtype(x.dtype), replicated_consumer=False)
         return step.forward(x)
 
+
+
+def _rank() -> int:
+    """This process's rank on the front door."""
+    import jax
+
+    return jax.process_index()

@@ -3,8 +3,11 @@
 tests/mlip/torch_worker.py runs on every rank for several cases, inside the front door's shared job of
 that world size (tests/torch/all_workers.py: one start of torch, JAX and gloo per rank for the whole
 suite); each rank must return the single-device energy, forces (global order, gathered), stress and
-atomic energies, so the per-rank stress of the reference's preset cannot pass. The naive route
-(ShardTensor positions into an unadapted MACE) raises instead of returning a per-rank energy.
+atomic energies, so the per-rank stress of the reference's preset cannot pass. Every stage input (positions,
+node attributes, edges, shifts, edge and node features) must be on the rank's device, where the model is (the
+worker runs each wrapper as tests/mlip/device_probe.py's `recording`), and `as_tensors=True` must give the same
+numbers as torch tensors there. The naive route (ShardTensor positions into an unadapted MACE) raises instead of
+returning a per-rank energy.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import pytest
 from tests._launch import front_door_run, read_ranks
 from tests.mlip import cases
 from tests.mlip._reference import mace_reference, reference
-from tests.mlip.torch_worker import ALL_RUNS, MACE_PT, NO_STRESS_CASE, RUNS
+from tests.mlip.torch_worker import ALL_RUNS, DEVICES, MACE_PT, NO_STRESS_CASE, RUNS
 
 pytestmark = pytest.mark.multiprocess
 
@@ -78,6 +81,37 @@ def test_evaluate_without_stress_gives_the_same_energy_and_forces(ranks):
         assert lean["energy"] == full["energy"], f"rank {r}"
         np.testing.assert_array_equal(lean["forces"], full["forces"], err_msg=f"rank {r}")
         np.testing.assert_array_equal(lean["atomic_energies"], full["atomic_energies"], err_msg=f"rank {r}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks,case", [(w, c) for w, cs in ALL_RUNS.items() for c in cs], indirect=["ranks"])
+def test_every_stage_input_is_on_the_model_device(ranks, case):
+    if case not in RUNS[len(ranks)]:
+        pytest.skip("mace-torch is not installed (pip install 'nvalchemi_jaxbridge[mlip]')")
+    for r, res in enumerate(ranks):
+        seen = res[case][DEVICES]
+        rank_device = seen["rank"]
+        assert seen["model"] == [rank_device], f"rank {r}"
+        graph = {f"{stage}:{x}" for stage in ("embed", "interaction", "node_energies")
+                 for x in ("positions", "node_attrs", "edge_index", "shifts")}
+        assert graph | {"interaction:features", "interaction:out", "node_energies:out"} <= seen["stages"].keys()
+        for where, devices in seen["stages"].items():
+            assert devices == [rank_device], f"rank {r}: {where} on {devices}, the model on {rank_device}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2], indirect=True)
+def test_as_tensors_gives_the_same_numbers_as_tensors_on_the_rank_device(ranks):
+    for r, res in enumerate(ranks):
+        numpy_out, tensors = res[NO_STRESS_CASE], res[NO_STRESS_CASE + ":as_tensors"]
+        rank_device = numpy_out[DEVICES]["rank"]
+        assert tensors.keys() == numpy_out.keys() - {DEVICES}, f"rank {r}"
+        for key in ("energy", "forces", "atomic_energies", "virial", "stress"):
+            got = tensors[key]
+            assert (got["type"], got["device"]) == ("Tensor", rank_device), f"rank {r}: {key}"
+            np.testing.assert_array_equal(got["value"], numpy_out[key], err_msg=f"rank {r}: {key}")
+        assert tensors["owned_ids"]["type"] == "ndarray"
+        np.testing.assert_array_equal(tensors["owned_ids"]["value"], numpy_out["owned_ids"])
 
 
 def test_shard_tensor_positions_into_an_unadapted_mace_raise():

@@ -27,7 +27,8 @@ ALL_RUNS = {  # both exchanges, both world sizes; MACE once, on 2 ranks (importi
 }
 HAVE_MACE = importlib.util.find_spec("mace") is not None
 RUNS = {w: [c for c in cs if HAVE_MACE or not c.startswith("mace:")] for w, cs in ALL_RUNS.items()}
-NO_STRESS_CASE = "mpnn:triclinic:per_layer"  # also run with evaluate(stress=False)
+NO_STRESS_CASE = "mpnn:triclinic:per_layer"  # also run with evaluate(stress=False) and as_tensors=True
+DEVICES = "devices"  # key of a case's result: the rank's device, the model's, and each stage input's
 MACE_PT = "mace.pt"  # rank 0's copy of the test MACE in OUT_DIR; the pytest side checks it is the reference's
 
 
@@ -57,8 +58,10 @@ def main() -> None:
 
     jax.config.update("jax_enable_x64", True)
 
-    from nvalchemi_jaxbridge.mlip.torch_model import TorchDistributedMLIP
+    from nvalchemi_jaxbridge.mlip.protocol import MessagePassingWrapper
+    from nvalchemi_jaxbridge.mlip.torch_model import TorchDistributedMLIP, model_devices
     from tests.mlip import cases
+    from tests.mlip.device_probe import recording, stage_devices
 
     out_dir = pathlib.Path(sys.argv[1])
     names = sys.argv[2].split(",") if len(sys.argv) > 2 else RUNS[info.world_size]
@@ -68,14 +71,23 @@ def main() -> None:
     for case in names:
         model_name, structure, exchange = case.split(":")
         wrapper = cases.wrapper(model_name)
+        if isinstance(wrapper, MessagePassingWrapper):  # the same wrapper, noting where each stage's inputs are
+            wrapper = recording(wrapper)
         atoms = cases.structure(structure)
         t0 = time.perf_counter()
         dm = TorchDistributedMLIP(wrapper, exchange=exchange)
         out = dm.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
         results[case] = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in out.items()}
-        if case == NO_STRESS_CASE:  # the same evaluation without the strain derivative
+        if hasattr(wrapper, "seen"):
+            results[case][DEVICES] = {"rank": str(dm.device), "model": sorted(map(str, model_devices(wrapper))),
+                                      "stages": stage_devices(wrapper)}
+        if case == NO_STRESS_CASE:  # the same evaluation without the strain derivative, and as torch tensors
             out = dm.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc, stress=False)
             results[case + ":no_stress"] = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in out.items()}
+            out = dm.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc, as_tensors=True)
+            results[case + ":as_tensors"] = {
+                k: {"type": type(v).__name__, "device": str(getattr(v, "device", "")), "value": v.tolist()}
+                for k, v in out.items()}
         print(f"rank {info.rank}: {case} in {time.perf_counter() - t0:.1f} s", flush=True)
     (out_dir / f"rank{info.rank}.json").write_text(json.dumps(results))
     print(f"rank {info.rank}/{info.world_size}: done", flush=True)
