@@ -94,7 +94,7 @@ def own_forward(wrapper: Any, atoms: Any, device: Any) -> dict[str, np.ndarray]:
         batch = mace_input(model, atoms, device=device)
         out = model(batch, training=False, compute_force=True, compute_stress=True)
         mace_volume = abs(float(torch.linalg.det(batch["cell"].view(3, 3).double())))
-        return {"energy": float(out["energy"][0]), "forces": out["forces"].detach().cpu().numpy(),
+        return {"energy": float(out["energy"][0].detach()), "forces": out["forces"].detach().cpu().numpy(),
                 "stress": out["stress"][0].detach().cpu().numpy() * mace_volume / volume,
                 "atomic_energies": out["node_energy"].detach().cpu().numpy()}
     ei, unit = periodic_graph(atoms.positions, atoms.cell.array, atoms.pbc, wrapper.cutoff)
