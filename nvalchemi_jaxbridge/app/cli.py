@@ -288,15 +288,19 @@ def _add_run_parser(groups: Any) -> None:
                      help="energy vs step and atoms per device, matplotlib (default none)")
     run.add_argument("--quiet", action="store_true", help="no progress bar (default off)")
     mlip = run.add_argument_group(
-        "message-passing model (--model / --checkpoint)",
+        "message-passing model (--model)",
         "distribute an MLIP on the JAX front door, compare energy, forces and stress with the same model on one "
         "device (exit 1 past --rtol), then run NVE; default structure: rattled fcc Cu/Au, --cells 3 (108 atoms); "
         "--dt defaults to 1 fs, --temperature to 300 K")
-    mlip.add_argument("--model", choices=("mpnn", "mace"), default=None,
-                      help="the project's MPNN or a MACE (mace-torch), seeded random weights, --seed "
-                           "(default none: a potential run)")
+    mlip.add_argument("--model", default=None, metavar="mpnn|mace|FILE",
+                      help="mpnn or mace: the project's MPNN or a MACE (mace-torch) with seeded random weights "
+                           "(--seed); any other value: a model file saved with torch.save(model, path) (MACE's "
+                           "*.model, an MPNN, a MessagePassingWrapper), read by mlip.load_model; it is a pickle, "
+                           "and loading it runs code from it: name only files you trust; write ./mpnn for a file "
+                           "named mpnn (default none: a potential run)")
     mlip.add_argument("--checkpoint", default=None, metavar="FILE",
-                      help="a torch.save'd MPNN or MACE model to use instead of seeded weights (default none)")
+                      help="a model file, as --model FILE; with --model mpnn|mace, the file must hold that kind "
+                           "(default none)")
     mlip.add_argument("--exchange", choices=("per_layer", "deep_halo"), default=None,
                       help="per_layer (halo of one cutoff, refresh between layers) or deep_halo "
                            "(n_layers x cutoff, no exchange) (default per_layer)")
@@ -316,10 +320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors that a user's input causes: reported in one line, no traceback."""
+    """Errors that a user's input causes (or a feature not there yet): reported in one line, no traceback."""
     from ..spec import SpecError
 
-    return (ValueError, KeyError, ImportError, SpecError)
+    return (ValueError, KeyError, ImportError, SpecError, NotImplementedError)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The model-level job behind `nvalchemi-jaxbridge run --model`: a message-passing MLIP distributed, checked, run.
 
-    model (seeded MPNN / MACE, or a torch-saved one) -> DistributedMLIP (JAX front door)
+    model (seeded MPNN / MACE, or a model file: `mlip.load_model`) -> DistributedMLIP (JAX front door)
       -> energy, forces, stress against the same model on one device -> a short NVE run
 
 The single-device reference and the parity are in `model_reference`.
@@ -11,6 +11,7 @@ Call `run_config.configure_jax` before anything else touches JAX (`run_model` do
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -45,9 +46,7 @@ def check_options(*, model_run: bool, given: dict[str, Any]) -> None:
                 f"run: {', '.join(bad)} apply to the demo potentials (Lennard-Jones, DSF), not to a model run; "
                 "drop them, or drop --model / --checkpoint to run the demo."
             )
-        raise ValueError(
-            f"run: {', '.join(bad)} apply to a model run; add --model mpnn|mace (or --checkpoint FILE)."
-        )
+        raise ValueError(f"run: {', '.join(bad)} apply to a model run; add --model mpnn|mace|FILE.")
 
 
 # ------------------------------------------------------------------ config
@@ -58,8 +57,10 @@ class ModelRunConfig:
     """What `run_model` runs.
 
     Attributes:
-        model: "mpnn" or "mace" (seeded random weights); with `checkpoint`, None or the checkpoint's kind.
-        checkpoint: a file `torch.save`d from an `MPNN` or a MACE model, used instead of seeded weights.
+        model: "mpnn" or "mace" (seeded random weights), or the path of a model file (any other value;
+            `mlip.load_model` reads it, trusting it: a whole-model pickle runs code from the file);
+            with `checkpoint`, None or the checkpoint's kind.
+        checkpoint: a model file, as `model` takes it (the older spelling).
         seed: weights of a seeded model, the rattle of the default structure, the velocities.
         devices: devices of the mesh (default 8 on the CPU, all GPUs otherwise).
         exchange: "per_layer" (halo of one cutoff + skin) or "deep_halo" (n_layers x cutoff + skin).
@@ -94,9 +95,18 @@ class ModelRunConfig:
 
     def __post_init__(self):
         if self.model is None and self.checkpoint is None:
-            raise ValueError("run: name a model (--model mpnn|mace) or a checkpoint (--checkpoint FILE).")
-        if self.model is not None and self.model not in MODELS:
-            raise ValueError(f"run: model must be one of {MODELS}, got {self.model!r}.")
+            raise ValueError("run: name a model: --model mpnn|mace (seeded random weights) or --model FILE.")
+        if self.model is not None and self.model not in MODELS and self.checkpoint is not None:
+            raise ValueError(
+                f"run: --model {self.model} and --checkpoint {self.checkpoint} both name a model file; give it once "
+                "(--model FILE)."
+            )
+        if self.file is not None and not os.path.isfile(self.file):
+            option = "--checkpoint" if self.checkpoint is not None else "--model"
+            raise ValueError(
+                f"run: {option} {self.file}: no such file; --model takes mpnn or mace (seeded random weights) or "
+                "the path of a model file saved with torch.save(model, path) (e.g. MACE's *.model)."
+            )
         if self.exchange not in EXCHANGES:
             raise ValueError(f"run: exchange must be one of {EXCHANGES}, got {self.exchange!r}.")
         for name in ("steps", "check_every", "cells"):
@@ -113,6 +123,11 @@ class ModelRunConfig:
             raise ValueError(f"run: dtype must be 'float32' or 'float64', got {self.dtype!r}.")
         self.limits()
 
+    @property
+    def file(self) -> str | None:
+        """The model file of the run (`model` when it is not a model name, else `checkpoint`), or None."""
+        return self.model if self.model is not None and self.model not in MODELS else self.checkpoint
+
     def limits(self) -> Any:
         """The run's blow-up thresholds (`guards.Limits`; raises ValueError on a bad one)."""
         from .guards import Limits
@@ -128,38 +143,39 @@ class ModelRunConfig:
 
 
 def load_wrapper(config: ModelRunConfig, dtype: str = "float64") -> Any:
-    """The run's model as a `MessagePassingWrapper`, cast to `dtype`."""
+    """The run's model in `dtype`: a `MessagePassingWrapper`, or the ML-IAP model object a model file holds.
+
+    A model file is read by `mlip.load_model(..., trust=True)`: naming it on the command line trusts it.
+    """
     import torch
 
-    from ..mlip import MPNN, MPNNWrapper
+    from ..mlip import MPNN, MPNNWrapper, load_model
+    from ..mlip.mace import MACEWrapper
 
     tdtype = getattr(torch, dtype)
-    if config.checkpoint is None:
+    if config.file is None:
         if config.model == "mpnn":
             return MPNNWrapper(MPNN(SPECIES, seed=config.seed).to(tdtype))  # the same weights in either dtype
-        from ..mlip.mace import MACEWrapper, random_mace
+        from ..mlip.mace import random_mace
 
         # edge harmonics to l = 2: MACE's code paths at a fraction of l = 3's build and run time
         return MACEWrapper(random_mace(SPECIES, seed=config.seed, dtype=tdtype, max_ell=2))
-    model = torch.load(config.checkpoint, map_location="cpu", weights_only=False)
-    kind = "mpnn" if isinstance(model, MPNN) else "mace" if type(model).__module__.startswith("mace.") else None
-    if kind is None:
-        what = "a state_dict" if isinstance(model, dict) else f"a {type(model).__module__}.{type(model).__name__}"
+    loaded = load_model(config.file, trust=True)
+    kind = {MPNNWrapper: "mpnn", MACEWrapper: "mace"}.get(type(loaded))
+    if config.model in MODELS and config.model != kind:
+        what = f"a {kind} model" if kind else f"a {type(loaded).__name__}"
         raise ValueError(
-            f"run: --checkpoint {config.checkpoint} holds {what}, not an MPNN or MACE model; save the whole "
-            "module with torch.save(model, path) (for another model, write a MessagePassingWrapper: docs/guide.md)."
+            f"run: --checkpoint {config.file} holds {what} but --model {config.model} was given; "
+            f"{f'use --model {kind} or drop --model' if kind else 'drop --model'}."
         )
-    if config.model is not None and config.model != kind:
+    if kind is not None:
+        return type(loaded)(loaded.model.to(tdtype))
+    if getattr(loaded, "dtype", tdtype) != tdtype:
         raise ValueError(
-            f"run: --checkpoint {config.checkpoint} holds a {kind} model but --model {config.model} was given; "
-            f"use --model {kind} or drop --model."
+            f"run: {config.file} holds a {type(loaded).__name__} that computes in {loaded.dtype} but the run is "
+            f"{dtype}; pass --dtype {str(loaded.dtype).removeprefix('torch.')}."
         )
-    model = model.to(tdtype).eval()
-    if kind == "mpnn":
-        return MPNNWrapper(model)
-    from ..mlip.mace import MACEWrapper
-
-    return MACEWrapper(model)
+    return loaded
 
 
 def alloy(cells: int = 3, *, a: float = 3.75, rattle: float = 0.1, seed: int = 0) -> Any:
@@ -249,6 +265,7 @@ def run_model(config: ModelRunConfig, *, progress: Callable[[int], Any] | None =
     """
     from ..mlip import DistributedMLIP
     from ..mlip.dynamics import nve
+    from ..mlip.model_files import is_mliap_model
     from ..mlip.jax_model import build_layout
     from . import guards
     from .run_config import configure_jax
@@ -259,6 +276,11 @@ def run_model(config: ModelRunConfig, *, progress: Callable[[int], Any] | None =
     s = make_structure(config)
     pos, z, cell, pbc = s.positions, s.atomic_numbers, s.cell, s.periodic
     n_dev = len(devices)
+    if is_mliap_model(wrapper):  # until DistributedMLIP takes ML-IAP model objects (issue 28); then drop this
+        raise NotImplementedError(
+            f"run: {config.file} holds a LAMMPS ML-IAP model ({type(wrapper).__name__}), which DistributedMLIP "
+            "does not run yet; run the model it was made from instead (MACE: its *.model file)."
+        )
     model = DistributedMLIP(wrapper, n_devices=n_dev, exchange=config.exchange, skin=config.skin)
     state = model.prepare(pos, z, cell, pbc)
     t0 = time.perf_counter()
@@ -288,9 +310,9 @@ def run_model(config: ModelRunConfig, *, progress: Callable[[int], Any] | None =
                        check_every=config.check_every, on_step=on_step, stop_when=watch)
     per_step = ((marks[-1][1] - marks[0][1]) / (marks[-1][0] - marks[0][0]) if len(marks) > 1 else float("nan"))
     return ModelRunReport(
-        model=wrapper.name, source=config.checkpoint or f"seeded random weights (seed {config.seed})",
+        model=wrapper.name, source=config.file or f"seeded random weights (seed {config.seed})",
         cutoff=float(wrapper.cutoff), n_layers=int(wrapper.n_layers),
-        n_params=int(sum(p.numel() for p in getattr(wrapper, "model").parameters())),
+        n_params=_n_params(wrapper),
         n_atoms=len(pos), n_devices=n_dev, platform=devices[0].platform, dtype=dtype, exchange=config.exchange,
         halo_depth=float(model.halo_depth), skin=float(config.skin),
         energy=float(got["energy"]), energy_reference=float(want["energy"]), parity=parity(got, want),
@@ -301,3 +323,11 @@ def run_model(config: ModelRunConfig, *, progress: Callable[[int], Any] | None =
         time_per_step_s=float(per_step), wall_s=float(time.perf_counter() - t_start),
         steps_done=int(traj["steps"]), stop=None if watch.stop is None else watch.stop.to_dict(),
     )
+
+
+def _n_params(wrapper: Any) -> int:
+    """Parameters of the wrapper's torch model (`wrapper.model`; 0 when it has none)."""
+    import torch
+
+    model = getattr(wrapper, "model", None)
+    return int(sum(p.numel() for p in model.parameters())) if isinstance(model, torch.nn.Module) else 0

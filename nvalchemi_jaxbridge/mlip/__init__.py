@@ -16,3 +16,4 @@ from .protocol import shared_edge_features as shared_edge_features
 from .specs import RunSettings as RunSettings
 from .torch_model import TorchDistributedMLIP as TorchDistributedMLIP
 from .specs import default_spec as default_spec
+from .model_files import load_model as load_model

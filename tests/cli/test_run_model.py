@@ -91,6 +91,55 @@ def test_checkpoint_runs_the_saved_model(tmp_path, capsys):
     assert rc == 2 and "holds a state_dict" in capsys.readouterr().err
 
 
+def test_model_takes_a_file_and_a_missing_one_lists_both_forms(tmp_path, capsys):
+    model = MPNN(model_run.SPECIES, seed=5, features=8, n_layers=2)
+    path = tmp_path / "mpnn.pt"
+    torch.save(model, path)
+    rc, out, rep = _run(tmp_path, capsys, "--model", str(path), "--steps", "0")
+    assert rc == 0, out
+    assert rep["source"] == str(path) and rep["model"] == "mpnn" and rep["n_layers"] == 2
+    np.testing.assert_allclose(rep["energy"], _independent(model, _atoms())["energy"], rtol=1e-10)
+    assert main(["run", "--model", str(tmp_path / "nope.model"), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "nope.model: no such file; --model takes mpnn or mace" in err and "path of a model file" in err
+    assert main(["run", "--model", str(path), "--checkpoint", str(path), *FAST]) == 2
+    assert "both name a model file; give it once" in capsys.readouterr().err
+
+
+class FakeMLIAP:
+    """The shape of a LAMMPS ML-IAP unified model (module level, so that it pickles)."""
+
+    element_types, rcutfac = ["Cu", "Au"], 2.5
+
+    def compute_forces(self, data):
+        pass
+
+
+def test_an_mliap_file_is_loaded_and_refused_until_the_mliap_door_lands(tmp_path, capsys):
+    path = tmp_path / "model-mliap_lammps.pt"
+    torch.save(FakeMLIAP(), path)
+    assert main(["run", "--model", str(path), *FAST]) == 2
+    assert "holds a LAMMPS ML-IAP model (FakeMLIAP), which DistributedMLIP does not run yet" in (
+        capsys.readouterr().err)
+
+
+@pytest.mark.slow
+def test_a_mace_model_file_runs_and_matches_maces_own_forward(tmp_path, capsys):
+    pytest.importorskip("mace", reason="needs mace-torch: pip install 'nvalchemi_jaxbridge[mlip]'")
+    from nvalchemi_jaxbridge.mlip.mace import random_mace
+    from tests.mlip._reference import mace_reference
+
+    model = random_mace(model_run.SPECIES, hidden_irreps="4x0e + 4x1o", max_ell=2, correlation=2, seed=2)
+    path = tmp_path / "small.model"
+    torch.save(model, path)  # what MACE's training writes
+    rc, out, rep = _run(tmp_path, capsys, "--model", str(path), "--steps", "0")
+    assert rc == 0, out
+    assert rep["model"] == "mace" and rep["source"] == str(path) and rep["reference"].startswith("MACE's own forward")
+    for key in ("energy_rel", "forces_rel", "stress_rel"):
+        assert rep["parity"][key] < 1e-10, (key, rep["parity"][key])
+    np.testing.assert_allclose(rep["energy"], mace_reference(model, _atoms())["energy"], rtol=1e-9)
+
+
 def test_options_of_the_other_kind_of_run_are_refused(capsys):
     assert main(["run", "--model", "mpnn", "--kernel", "jax", *FAST]) == 2
     assert "--kernel apply to the demo potentials" in capsys.readouterr().err
