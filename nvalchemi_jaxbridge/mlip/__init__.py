@@ -17,3 +17,6 @@ from .specs import RunSettings as RunSettings
 from .torch_model import TorchDistributedMLIP as TorchDistributedMLIP
 from .specs import default_spec as default_spec
 from .model_files import load_model as load_model
+from .check import WrapperCheck as WrapperCheck
+from .check import WrapperCheckError as WrapperCheckError
+from .check import check_wrapper as check_wrapper
