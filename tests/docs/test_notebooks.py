@@ -26,10 +26,11 @@ KERNEL_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 COMPILE_BOUND = {"04_distribute_a_message_passing_mlip": " --xla_backend_optimization_level=0"}
 
 
-def test_the_five_notebooks_exist():
+def test_the_six_notebooks_exist():
     names = [p.name for p in NOTEBOOKS]
     assert names == ["01_jax_front_door.ipynb", "02_pytorch_front_door.ipynb", "03_bring_your_own_kernel.ipynb",
-                     "04_distribute_a_message_passing_mlip.ipynb", "05_ase_and_functional_api.ipynb"]
+                     "04_distribute_a_message_passing_mlip.ipynb", "05_ase_and_functional_api.ipynb",
+                     "06_your_model_from_a_file_to_ase_md.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
