@@ -276,22 +276,28 @@ def run_model(config: ModelRunConfig, *, progress: Callable[[int], Any] | None =
     s = make_structure(config)
     pos, z, cell, pbc = s.positions, s.atomic_numbers, s.cell, s.periodic
     n_dev = len(devices)
-    if is_mliap_model(wrapper):  # until DistributedMLIP takes ML-IAP model objects (issue 28); then drop this
-        raise NotImplementedError(
-            f"run: {config.file} holds a LAMMPS ML-IAP model ({type(wrapper).__name__}), which DistributedMLIP "
-            "does not run yet; run the model it was made from instead (MACE: its *.model file)."
-        )
+    mliap = is_mliap_model(wrapper)
     model = DistributedMLIP(wrapper, n_devices=n_dev, exchange=config.exchange, skin=config.skin)
     state = model.prepare(pos, z, cell, pbc)
     t0 = time.perf_counter()
     got = model.evaluate(pos, z, cell, pbc, state=state, stress=True)
     compile_s = time.perf_counter() - t0
-    want = single_device_reference(wrapper, pos, z, cell, pbc)
-    other = EXCHANGES[1 - EXCHANGES.index(config.exchange)]
-    o_plan, o_edges, *_ = build_layout(wrapper, other, pos, z, cell, pbc, n_devices=n_dev, skin=config.skin,
-                                       headroom=model.headroom)
-    other_rows = tuple({"owned": int(o_plan.n_owned[d]), "ghost": int(o_plan.n_ghost[d]),
-                        "edges": int(o_edges.n_edges[d])} for d in range(n_dev))
+    if mliap:  # the model's own compute_forces on one device: LAMMPS' one-process view (images as ghost rows)
+        import copy
+
+        want = DistributedMLIP(copy.deepcopy(wrapper), n_devices=1, skin=config.skin).evaluate(
+            pos, z, cell, pbc, stress=True)
+        want["how"] = "the ML-IAP model's own compute_forces on one device"
+        other, other_rows = config.exchange, tuple(state.rows_per_device())  # it asks for its own exchanges
+        name, n_layers = model.name, len([s for s in model.model.schedule if s.kind == "forward"]) + 1
+    else:
+        want = single_device_reference(wrapper, pos, z, cell, pbc)
+        other = EXCHANGES[1 - EXCHANGES.index(config.exchange)]
+        o_plan, o_edges, *_ = build_layout(wrapper, other, pos, z, cell, pbc, n_devices=n_dev, skin=config.skin,
+                                           headroom=model.headroom)
+        other_rows = tuple({"owned": int(o_plan.n_owned[d]), "ghost": int(o_plan.n_ghost[d]),
+                            "edges": int(o_edges.n_edges[d])} for d in range(n_dev))
+        name, n_layers = wrapper.name, int(wrapper.n_layers)
 
     marks: list[tuple[int, float]] = []
 
@@ -310,8 +316,8 @@ def run_model(config: ModelRunConfig, *, progress: Callable[[int], Any] | None =
                        check_every=config.check_every, on_step=on_step, stop_when=watch)
     per_step = ((marks[-1][1] - marks[0][1]) / (marks[-1][0] - marks[0][0]) if len(marks) > 1 else float("nan"))
     return ModelRunReport(
-        model=wrapper.name, source=config.file or f"seeded random weights (seed {config.seed})",
-        cutoff=float(wrapper.cutoff), n_layers=int(wrapper.n_layers),
+        model=name, source=config.file or f"seeded random weights (seed {config.seed})",
+        cutoff=float(wrapper.cutoff if not mliap else model.cutoff), n_layers=n_layers,
         n_params=_n_params(wrapper),
         n_atoms=len(pos), n_devices=n_dev, platform=devices[0].platform, dtype=dtype, exchange=config.exchange,
         halo_depth=float(model.halo_depth), skin=float(config.skin),

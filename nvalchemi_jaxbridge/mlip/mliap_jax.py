@@ -92,6 +92,10 @@ class JaxMLIAP:
 
     halo_depth = property(lambda self: self.cutoff)
 
+    def _np_dtype(self) -> Any:
+        """The dtype positions come in (float64: the interface's pair vectors are float64)."""
+        return self.np_dtype
+
     def program(self, key: Any, build: Any) -> Any:
         """The program kept under `key` (see `DistributedMLIP.program`)."""
         if key not in self._programs:

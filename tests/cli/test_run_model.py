@@ -106,21 +106,16 @@ def test_model_takes_a_file_and_a_missing_one_lists_both_forms(tmp_path, capsys)
     assert "both name a model file; give it once" in capsys.readouterr().err
 
 
-class FakeMLIAP:
-    """The shape of a LAMMPS ML-IAP unified model (module level, so that it pickles)."""
+def test_an_mliap_file_runs_and_matches_its_own_single_device_forward(tmp_path, capsys):
+    from nvalchemi_jaxbridge.demo.mliap_models import MLIAPMessagePassing
 
-    element_types, rcutfac = ["Cu", "Au"], 2.5
-
-    def compute_forces(self, data):
-        pass
-
-
-def test_an_mliap_file_is_loaded_and_refused_until_the_mliap_door_lands(tmp_path, capsys):
     path = tmp_path / "model-mliap_lammps.pt"
-    torch.save(FakeMLIAP(), path)
-    assert main(["run", "--model", str(path), *FAST]) == 2
-    assert "holds a LAMMPS ML-IAP model (FakeMLIAP), which DistributedMLIP does not run yet" in (
-        capsys.readouterr().err)
+    torch.save(MLIAPMessagePassing(), path)
+    rc, out, rep = _run(tmp_path, capsys, "--model", str(path))
+    assert rc == 0, out
+    assert rep["model"] == "MLIAPMessagePassing" and rep["n_layers"] == 3  # two forward exchanges
+    assert rep["reference"] == "the ML-IAP model's own compute_forces on one device"
+    assert abs(rep["energy"] - rep["energy_reference"]) <= 1e-9 * abs(rep["energy_reference"])
 
 
 @pytest.mark.slow
