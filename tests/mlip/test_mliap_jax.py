@@ -72,8 +72,19 @@ def test_devices_with_no_owned_atoms_take_part_in_every_exchange():
     _check(out, model.reference(atoms.positions, atoms.numbers, atoms.cell.array))
 
 
-def test_stress_is_the_central_finite_difference_of_the_energy():
-    atoms, model = small("triclinic"), MLIAPMessagePassing()
+def _mace_lammps_object():
+    pytest.importorskip("mace", reason="needs mace-torch: pip install 'nvalchemi_jaxbridge[mlip]'")
+    from mace.calculators.lammps_mliap_mace import LAMMPS_MLIAP_MACE
+
+    from tests.mlip import cases
+
+    return LAMMPS_MLIAP_MACE(cases.wrapper("mace").model)
+
+
+@pytest.mark.parametrize("name", ["message_passing", "mace"])
+def test_stress_is_the_central_finite_difference_of_the_energy(name):
+    atoms = small("triclinic")
+    model = MLIAPMessagePassing() if name == "message_passing" else _mace_lammps_object()
     dm = DistributedMLIP(model, n_devices=2)
     stress = dm.evaluate(atoms.positions, atoms.numbers, atoms.cell.array)["stress"]
     h, volume, fd = 1e-5, atoms.get_volume(), np.zeros((3, 3))
