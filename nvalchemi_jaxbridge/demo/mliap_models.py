@@ -113,6 +113,7 @@ class MLIAPMessagePassing:
         if data.nlocal == 0 or data.npairs <= 1:
             return  # as many shipped models do: no writes and no exchanges
         dev = torch.as_tensor(data.rij).device
+        self._to(dev)  # as shipped models do: the weights follow the data (a GPU block's arrays are on the GPU)
         rij = torch.as_tensor(data.rij).to(self.dtype).clone().requires_grad_(True)
         types = torch.as_tensor(data.elems, device=dev).to(torch.int64)
         i = torch.as_tensor(data.pair_i, device=dev).to(torch.int64)
@@ -124,12 +125,22 @@ class MLIAPMessagePassing:
         data.energy = float(total.detach())
         data.update_pair_forces_gpu(fij.double())
 
+    def _to(self, device: torch.device) -> None:
+        """Move the weights to `device` (no-op where they are)."""
+        if self.embedding.device != device:
+            self.embedding, self.readout = self.embedding.to(device), self.readout.to(device)
+            self.shift = self.shift.to(device)
+            self.weights = [w.to(device) for w in self.weights]
+            self.radial = [r.to(device) for r in self.radial]
+
     def reference(self, positions: Any, numbers: Any, cell: Any, pbc: Any = True) -> dict[str, np.ndarray]:
         """Energy, forces, stress (ASE's sign) and per-atom energies of the whole structure, one device.
 
         Every pair within the cutoff over periodic images, no ML-IAP data and no exchange.
         """
         from ..app.model_reference import periodic_graph
+
+        self._to(torch.device("cpu"))
 
         pos = torch.tensor(np.asarray(positions, dtype=np.float64), dtype=self.dtype, requires_grad=True)
         cell_t = torch.tensor(np.asarray(cell, dtype=np.float64), dtype=self.dtype)
