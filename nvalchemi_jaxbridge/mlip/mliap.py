@@ -33,9 +33,9 @@ KINDS = ("forward", "reverse")
 
 
 def is_mliap_model(obj: Any) -> bool:
-    """Whether `obj` is an ML-IAP unified model: `compute_forces`, `element_types` and `rcutfac`."""
-    return (callable(getattr(obj, "compute_forces", None)) and hasattr(obj, "element_types")
-            and hasattr(obj, "rcutfac"))
+    """Whether `obj` is an ML-IAP unified model object (not a class): `compute_forces`, `element_types`, `rcutfac`."""
+    return (not isinstance(obj, type) and callable(getattr(obj, "compute_forces", None))
+            and hasattr(obj, "element_types") and hasattr(obj, "rcutfac"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -149,6 +149,14 @@ class BlockData:
 
     update_pair_energy_gpu = update_pair_energy
 
+    def check_energy_written(self) -> None:
+        """Raise if the model wrote per-atom energies but never set `energy` (LAMMPS' total comes from it)."""
+        if self.nlocal and self._t["eatoms"].abs().sum() > 0 and not self.energy_set:
+            raise MLIAPError(
+                f"{self._model}: compute_forces wrote eatoms but never set data.energy; LAMMPS takes the energy "
+                "from data.energy, so set it (the sum of the owned atoms' energies)."
+            )
+
     # ------------------------------------------------------------------ exchanges the model asks for
 
     def _exchange_into(self, kind: str, src: Any, dst: Any, n: int) -> None:

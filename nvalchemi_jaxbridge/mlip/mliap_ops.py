@@ -157,11 +157,7 @@ class SegmentOps:
             return torch.zeros((run.rows, step.width), dtype=step.dtype, device=data.fij.device)
         if what == "exchange":
             self._check(run, data.exchanges + [(value[0], int(value[1].shape[1]))])
-        if data.nlocal and data.eatoms_tensor.abs().sum() > 0 and not data.energy_set:
-            raise MLIAPError(
-                f"{self.model.name}: compute_forces wrote eatoms but never set data.energy; LAMMPS takes the "
-                "energy from data.energy, so set it (the sum of the owned atoms' energies)."
-            )
+        data.check_energy_written()
         self._runs.pop(int(data._device_key), None)
         dev = data.fij.device
         eatoms = torch.zeros(run.rows, dtype=torch.float64, device=dev)

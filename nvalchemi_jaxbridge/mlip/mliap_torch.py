@@ -125,11 +125,7 @@ class TorchMLIAP:
         for step in self.model.schedule[len(data.exchanges):]:  # the model returned early: join the others
             self._exchange(ctx)(step.kind, torch.zeros((data.ntotal, step.width), dtype=step.dtype,
                                                        device=data.fij.device))
-        if data.nlocal and data.eatoms_tensor.abs().sum() > 0 and not data.energy_set:
-            raise MLIAPError(
-                f"{self.name}: compute_forces wrote eatoms but never set data.energy; LAMMPS takes the energy "
-                "from data.energy, so set it (the sum of the owned atoms' energies)."
-            )
+        data.check_energy_written()
         f_rows = row_forces(data)
         owned = F.gather_inputs_step(ctx, (ctx.n_owned, 3), np.float64, positions=False).backward(f_rows)
         total = self._sum(ctx, torch.tensor([data.energy], dtype=torch.float64, device=f_rows.device))

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .mliap import is_mliap_model as is_mliap_model  # the ML-IAP door's test, re-exported here
 from .mpnn import MPNN, MPNNWrapper
 from .protocol import MessagePassingWrapper
 
@@ -32,12 +33,6 @@ _SAVE_WHOLE = ("build the model, load the weights into it (model.load_state_dict
 
 class ModelFileError(ValueError):
     """A model file `load_model` cannot read, or that holds nothing it can run; the message says how to fix it."""
-
-
-def is_mliap_model(obj: Any) -> bool:
-    """True for a LAMMPS ML-IAP unified model object (duck type: `compute_forces`, `element_types`, `rcutfac`)."""
-    return (not isinstance(obj, type) and callable(getattr(obj, "compute_forces", None))
-            and hasattr(obj, "element_types") and hasattr(obj, "rcutfac"))
 
 
 def load_model(path: str | os.PathLike[str], *, trust: bool = False) -> Any:
