@@ -46,8 +46,13 @@ class JaxBridgeCalculator(Calculator):
         engine: the `Engine` (its `traces`, `prepares` and `rebuilds` count the work done).
 
     Example:
-        >>> atoms.calc = JaxBridgeCalculator(KernelPotential(spec, args=..., cutoff=6.0))
+        A whole model (a `MessagePassingWrapper`, a LAMMPS ML-IAP object, or `load_model(path)`):
+
+        >>> from nvalchemi_jaxbridge.mlip import MPNN, MPNNWrapper, DistributedMLIP
+        >>> atoms.calc = JaxBridgeCalculator(DistributedMLIP(MPNNWrapper(MPNN([29])), n_devices=8))
         >>> atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress()
+
+        One kernel of a spec: `JaxBridgeCalculator(KernelPotential(spec, args=..., cutoff=6.0))`.
     """
 
     def __init__(self, potential: Any, **kwargs: Any) -> None:

@@ -62,3 +62,36 @@ def test_the_symptom_index_points_at_sections_that_exist():
             assert (module, cls) in headings, f"index row names a missing section: {module} · {cls}"
         for module in re.findall(r"`([\w/]+/[\w]+\.py)`", row):
             assert module in modules, f"index row names a module without a section: {module}"
+
+
+def _texts() -> dict[str, str]:
+    out = {p.name: p.read_text() for p in DOCS}
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        out[path.name] = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"])
+    return out
+
+
+def test_each_function_has_one_name_in_the_docs_and_notebooks():
+    """A function the docs reach by a dotted module path is named by one path only (`app.model_run.x` and
+    `app.model_reference.x` for the same function confuse a reader), and that path resolves."""
+    import importlib
+
+    dotted = re.compile(r"\b((?:nvalchemi_jaxbridge\.)?(?:app|mlip|integrations|layout|lower|kernels|torch|spec|demo)"
+                        r"(?:\.\w+)*)\.(\w+)\b")
+    imported = re.compile(r"from (nvalchemi_jaxbridge[.\w]*) import ([\w, ]+)")
+    names: dict[int, set[str]] = {}
+    for name, text in _texts().items():
+        aliases = {alias: f"{pkg}.{alias}" for pkg, listed in imported.findall(text)
+                   for alias in (a.strip() for a in listed.split(",")) if alias}  # `from ...app import model_run`
+        found = [(m.group(1), m.group(2)) for m in dotted.finditer(text)]
+        found += [(aliases[a], n) for a, n in re.findall(r"\b(\w+)\.(\w+)\b", text) if a in aliases]
+        for mod, attr in found:
+            module = mod if mod.startswith("nvalchemi_jaxbridge") else f"nvalchemi_jaxbridge.{mod}"
+            try:
+                obj = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError):
+                continue  # not a module path (a method, an attribute, prose)
+            if inspect.isfunction(obj):
+                names.setdefault(id(obj), set()).add(f"{module}.{attr}")
+    twice = sorted(sorted(paths) for paths in names.values() if len(paths) > 1)
+    assert not twice, f"functions named by more than one path in the docs and notebooks: {twice}"
