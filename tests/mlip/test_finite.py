@@ -117,6 +117,21 @@ def test_a_backward_that_is_nan_is_named_with_its_atom(faulty):
     assert info.value.rows == (6,)
 
 
+def test_an_atom_on_another_atoms_periodic_image_is_refused_with_both_ids(faulty):
+    """Atom 9 moved onto atom 20's image one lattice vector away (a zero-length edge: MACE's own forward gives
+    NaN there, the distributed run gave a finite energy): the layout refuses it before anything runs."""
+    from nvalchemi_jaxbridge.layout.coincident import CoincidentAtomsError
+
+    _, model, atoms, _ = faulty
+    same = atoms.copy()
+    same.positions[9] = same.positions[20] + same.cell.array[0]
+    with pytest.raises(CoincidentAtomsError, match=r"HaloPlan.build: coincident atoms, closer than 1e-08 Å: "
+                                                   r"atom 9 and atom 20's periodic image shifted by lattice vector "
+                                                   r"\[1, 0, 0\]") as info:
+        _call(model, same)
+    assert info.value.pairs == ((9, 20, (1, 0, 0)),)
+
+
 def test_the_diagnosis_finds_nothing_in_a_sound_model(faulty):
     w, _, atoms, _ = faulty
     assert explain_wrapper(w, atoms.positions, atoms.numbers, atoms.cell.array, True).startswith("No stage")
