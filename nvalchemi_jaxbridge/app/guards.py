@@ -65,9 +65,12 @@ class Stop:
     unit: str
     option: str
     cause: str
+    detail: str = ""  # set instead of a value past a limit (a non-finite state): the message's whole text
 
     def message(self) -> str:
         """One line: the step, the quantity, its value, the threshold and the likely cause."""
+        if self.detail:
+            return f"run stopped at step {self.step}: {self.detail}"
         unit = f" {self.unit}" if self.unit else ""
         return (f"run stopped at step {self.step}: {self.quantity} is {self.value:.6g}{unit}, past the limit "
                 f"{self.limit:.6g}{unit} ({self.option}); likely cause: {self.cause}.")
@@ -151,6 +154,19 @@ def stale_step(step: int, moved: float, skin: float) -> Stop:
     """The `Stop` of a step that moved an atom `moved` Å from a fresh plan, more than skin/2."""
     return Stop(step, "an atom's displacement in one step from a freshly built halo plan", float(moved),
                 skin / 2, "Å", "skin/2; --skin", _CAUSE_STALE)
+
+
+def nonfinite_step(step: int, checked: int, atoms: str) -> Stop:
+    """The `Stop` of the first step whose positions, velocities, forces or energy hold NaN or inf.
+
+    `checked`: the step of the host check that found it; `atoms`: the atoms non-finite there (text).
+    """
+    where = f"; at step {checked} (the check that found it) {atoms}" if atoms else ""
+    return Stop(step, "positions, velocities, forces or the potential energy", math.nan, math.nan, "",
+                "--dt; --max-energy", _CAUSE_HOT,
+                detail=(f"the positions, velocities, forces or potential energy became non-finite (NaN or inf){where}. "
+                        f"The run blew up, and no energy after step {step - 1} is reported; likely cause: "
+                        f"{_CAUSE_HOT}. Use a smaller --dt, or check the structure for atoms too close together."))
 
 
 def first_step_displacement(velocities: Any, forces: Any, masses: Any, dt: float) -> float:

@@ -88,6 +88,7 @@ def run(config: RunConfig, *, progress: Callable[..., Any] | None = None) -> Run
     from ..kernels import compile as kcompile
     from ..layout import HaloPlan
     from ..lower import make_mesh
+    from ..lower.finite import all_finite, check_results, max_or_inf
     from .report import collectives
     from .run_config import check_species, species_counts
 
@@ -158,7 +159,10 @@ def run(config: RunConfig, *, progress: Callable[..., Any] | None = None) -> Run
         v = v + 0.5 * dt * f * inv_m
         kinetic = 0.5 * MVV2E * jnp.sum(lay["masses"][:, None] * v * v)
         d = x - lay["reference"]  # where this step's forces were computed, against the plan's positions
-        moved = jnp.sqrt(jnp.max(jnp.sum(d * d, axis=1)))
+        # NaN-safe: a maximum over the mesh can drop a NaN, so non-finite values are found by an explicit
+        # isfinite reduction and reported as a NaN displacement (the host stops there, naming the step)
+        moved = jnp.sqrt(max_or_inf(jnp.sum(d * d, axis=1)))
+        moved = jnp.where(all_finite(x, v, f, energy), moved, jnp.nan)
         return md.MDState(x, v, f, energy), jnp.stack([energy, kinetic, moved.astype(energy.dtype)])
 
     jitted_step = jax.jit(step)
@@ -183,6 +187,8 @@ def run(config: RunConfig, *, progress: Callable[..., Any] | None = None) -> Run
     state = place(cs, sys_.positions, sys_.velocities, None, lay)
     e_kin0 = float(0.5 * MVV2E * np.sum(sys_.masses[:, None] * sys_.velocities**2))
     e0 = float(state.energy) + e_kin0
+    check_results(f"run: the op {fop.name} at step 0", {"energy": state.energy, "forces": cs.to_global(state.forces)},
+                  explain=lambda: f"It came from the op {fop.name} (its energy and forces outputs).")
     guards.check_first_step(guards.first_step_displacement(sys_.velocities, cs.to_global(state.forces), sys_.masses,
                                                            dt), config.skin, dt)
     rec.start(cs, state, float(state.energy), e_kin0)
@@ -220,6 +226,8 @@ def run(config: RunConfig, *, progress: Callable[..., Any] | None = None) -> Run
             bad = np.flatnonzero(~(rows[c:i, 2] <= half))  # NaN counts as moved too far
             upto = i if bad.size == 0 else c + int(bad[0])
             stop = guards.check_rows(rows[c:upto], c + 1, n, limits, previous=rows[c - 1] if c else row0)
+            if stop is None and bad.size and np.isnan(rows[upto, 2]):  # non-finite state: stop, name the step
+                stop = guards.nonfinite_step(upto + 1, i, _nonfinite_atoms(loop.cs, loop.state))
             if stop is None and bad.size:
                 s = upto + 1  # the first step whose forces came from a plan it had moved too far from
                 if s == c + 1 and fresh:
@@ -287,6 +295,18 @@ def run(config: RunConfig, *, progress: Callable[..., Any] | None = None) -> Run
         steps_done=i, stop=None if stop is None else stop.to_dict(), skin_A=float(config.skin),
         max_displacement_A=float(np.max(e[:, 2], initial=0.0)), host_checks=checks,
     )
+
+
+def _nonfinite_atoms(cs: Any, state: Any) -> str:
+    """Which atoms hold NaN or inf positions, velocities or forces in `state` (for the stop message)."""
+    from ..layout.finite import bad_rows, rows_text
+
+    parts = []
+    for name in ("positions", "velocities", "forces"):
+        rows = bad_rows(cs.to_global(getattr(state, name)))
+        if rows.size:
+            parts.append(f"the {name} of atoms {rows_text(rows)}")
+    return ", ".join(parts) + " are not finite" if parts else ""
 
 
 def _shapes(outs: Any) -> str:

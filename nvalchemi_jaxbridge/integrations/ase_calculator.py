@@ -74,7 +74,8 @@ class JaxBridgeCalculator(Calculator):
                 f"JaxBridgeCalculator: stress needs a cell periodic along every axis, but pbc={pbc}; make the "
                 "structure fully periodic (atoms.pbc = True with a cell), or do not ask for stress."
             )
-        out = self.engine.compute(a.positions, a.numbers, a.cell.array, pbc, per_atom=self._per_atom(a))
+        out = self.engine.compute(a.positions, a.numbers, a.cell.array, pbc, per_atom=self._per_atom(a),
+                                  where="JaxBridgeCalculator")
         self.results = {"energy": out["energy"], "free_energy": out["energy"], "forces": out["forces"]}
         if out["stress"] is not None:
             self.results["stress"] = full_3x3_to_voigt_6_stress(out["stress"])

@@ -80,15 +80,27 @@ class _Program:
         import jax
         import jax.numpy as jnp
 
+        from ..lower.finite import max_or_inf
+
         self.traces += 1
         strain = jnp.zeros((3, 3), pos_owned.dtype)
         grad = jax.value_and_grad(self.potential.energy_fn, argnums=(1, 2), has_aux=True)
         (energy, node_e), (g_pos, g_strain) = grad(state, pos_owned, strain)
         d = pos_owned - reference  # padding rows are parked alike in both
-        return energy, node_e, -g_pos, g_strain, jnp.sqrt(jnp.max(jnp.sum(d * d, axis=1)))
+        return energy, node_e, -g_pos, g_strain, jnp.sqrt(max_or_inf(jnp.sum(d * d, axis=1)))  # NaN: inf
 
 
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _explain(potential: Any, positions: Any, numbers: Any, cell: Any, periodic: Any) -> str:
+    """Which stage of `potential` made a non-finite result (`mlip.guards.explain`; a kernel named without torch)."""
+    adapter = getattr(potential, "adapter", None)
+    if adapter is not None:
+        return f"It came from the kernel {getattr(adapter, 'op', adapter)!r} (the energy output of its adapter)."
+    from ..mlip.guards import explain
+
+    return explain(potential, positions, numbers, cell, periodic)
 
 
 def program_for(potential: Any) -> _Program:
@@ -161,14 +173,23 @@ class Engine:
         return self.state
 
     def compute(self, positions: Any, numbers: Any, cell: Any, pbc: Any = True, *,
-                per_atom: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                per_atom: Mapping[str, Any] | None = None, where: str = "Engine.compute") -> dict[str, Any]:
         """Energy (eV), forces `(N, 3)` (eV/Å), stress `(3, 3)` (eV/Å³, ASE's sign) and per-atom energies.
 
         Returns:
             A dict with `energy` (float), `forces`, `stress` (None unless every axis is
             periodic), `energies` (`(N,)`, or None when the potential has no per-atom split)
             and `virial` (`-dE/dstrain`, eV).
+
+        Raises:
+            NonFiniteError: an input (positions, cell, a per-atom array) or a result holds NaN or inf; the
+                message names it, the atoms, and for a result the model stage that made it (`where`: the
+                caller's name in the message).
         """
+        from ..layout.finite import check_structure
+        from ..lower.finite import check_results
+
+        check_structure(where, positions, cell, per_atom)
         pos = np.asarray(positions, dtype=np.float64)
         state = self.update(positions, numbers, cell, pbc, per_atom)
         energy, node_e, f_owned, g_strain, moved = self._run(state, pos)
@@ -181,13 +202,15 @@ class Engine:
         virial = -np.asarray(g_strain, dtype=np.float64)
         _, _, cell, periodic = structure(positions, numbers, cell, pbc, "Engine")
         volume = cell_volume(cell, periodic)
-        return {
+        out = {
             "energy": float(energy),
             "forces": cs.to_global(f_owned).astype(np.float64),
             "stress": None if volume is None else -virial / volume,
             "energies": None if node_e is None else cs.to_global(node_e).astype(np.float64),
             "virial": virial,
         }
+        check_results(where, out, explain=lambda: _explain(self.potential, pos, numbers, cell, periodic))
+        return out
 
     def _run(self, state: Any, pos: np.ndarray) -> tuple[Any, ...]:
         """The program on `state` at global positions `pos`: energy, node energies, forces, dE/dstrain, moved."""

@@ -16,8 +16,11 @@ default, box `cell.T`). The halo layout plays the part of jax-md's neighbour lis
   past skin/2 (the layout may miss pairs) the energy, and so every force and the
   stress, is NaN instead of silently wrong, and an eager call (concrete `R`, no
   `jit` / `grad` around it) raises a `ValueError` naming the displacement and skin/2.
-  `update` counts a NaN position as moved too far, so a chunk that met a stale
-  layout always ends with `did_buffer_overflow` set.
+  `update` counts a NaN position as moved too far (the largest displacement is taken
+  with NaN as +inf: a plain maximum over a sharded array can drop a NaN), so a chunk
+  that met a stale layout or a NaN always ends with `did_buffer_overflow` set, and its
+  energy is NaN. An eager call with a NaN or inf in `R` raises `NonFiniteError` naming
+  the atoms; so does `allocate`.
 
 An atom moved by a lattice vector (a wrapping shift function) is mapped back to
 the image the layout was built for, so wrapping needs no re-allocation.
@@ -36,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from ..layout.finite import FIX_POSITIONS, check_finite
 from .engine import cell_volume, potential_dtype, prepare, structure
 
 
@@ -133,6 +137,7 @@ class HaloNeighborFn:
         import jax
 
         pos = self._host_positions(positions, "allocate")
+        check_finite("HaloNeighborFn.allocate", "positions", pos, fix=FIX_POSITIONS)
         if self.fractional:
             pos = pos @ self.cell
         if previous is None:
@@ -168,8 +173,10 @@ class HaloNeighborFn:
         """Largest minimum-image displacement (Å) of any atom from the layout's positions (jit-able scalar)."""
         import jax.numpy as jnp
 
+        from ..lower.finite import max_or_inf
+
         disp, _ = self._displacement(self.cartesian(positions), neighbor)
-        return jnp.sqrt(jnp.max(jnp.sum(disp * disp, axis=1), initial=0.0))
+        return jnp.sqrt(max_or_inf(jnp.sum(disp * disp, axis=1)))  # a NaN position counts as moved infinitely far
 
     def cartesian(self, positions: Any) -> Any:
         """Cartesian `(N, 3)` positions (jit-able): `positions` itself, or `R_frac @ cell` when fractional.
@@ -270,6 +277,8 @@ class HaloEnergyFn:
         import jax
         import jax.numpy as jnp
 
+        from ..lower.finite import check_array
+
         if kwargs:
             raise TypeError(
                 f"{where}: unexpected keyword arguments {sorted(kwargs)}; it takes (R, neighbor=nbrs) only (for "
@@ -279,6 +288,7 @@ class HaloEnergyFn:
             raise TypeError(f"{where}: pass the layout as neighbor=nbrs (from neighbor_fn.allocate(R)).")
         fn = self.neighbor_fn
         fn._check(positions, neighbor, where)
+        check_array(where, "positions", positions, fix=FIX_POSITIONS)  # eager calls (under jit: a NaN energy)
         pos = jnp.asarray(positions)
         pos_owned = fn.owned_positions(fn.cartesian(pos), neighbor).astype(potential_dtype(fn.potential))
         eps = jnp.zeros((3, 3), pos_owned.dtype) if strain is None else strain.astype(pos_owned.dtype)

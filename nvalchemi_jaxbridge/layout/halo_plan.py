@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from . import _storage, inputs
+from .coincident import check_coincident
 from ._assemble import OnOverflow, _assemble, _pair_request, _readonly
 from .errors import HaloOverflowError as HaloOverflowError
 from .grid import choose_grid
@@ -192,6 +193,7 @@ class HaloPlan:
             raise TypeError(f"{where}: self_images must be True or False, got {self_images!r}.")
         inputs.check_coordinates(where, pos, cutoff + skin)  # finite, and resolvable at the cutoff scale
         basis = effective_cell(cell_arr, periodic, pos)
+        check_coincident(where, pos, basis, periodic)  # two atoms (or images) at one point: the model's NaN
         if grid is None:
             grid = choose_grid(n_devices, basis, periodic)
         else:

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from .finite import check_structure
 from .inputs import real_positions
 
 
@@ -27,6 +28,7 @@ def checked_structure(positions: Any, numbers: Any, cell: Any, pbc: Any, where: 
             f"{len(numbers)} numbers."
         )
     cell = np.asarray(cell, dtype=np.float64).reshape(3, 3)
+    check_structure(where, pos, cell)
     periodic = tuple(bool(p) for p in np.broadcast_to(np.asarray(pbc, dtype=bool), (3,)))
     for k in range(3):
         if periodic[k] and not np.linalg.norm(cell[k]) > 0:

@@ -29,7 +29,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..spec.transforms import GatherInputs, SliceOwned
+from ..layout.finite import FIX_POSITIONS
 from .entries import _Entry
+from .finite import check_array
 from .tables import HaloTables, place
 
 if TYPE_CHECKING:
@@ -123,6 +125,9 @@ def _transformed(cs: CompiledSpec, e: _Entry, pos: int, value: Any) -> tuple[jax
             f"CompiledSpec.call: adapter {e.name!r} {e.label(pos)} ({type(t).__name__}) expects "
             f"{store} with {want} rows, got shape {tuple(value.shape)}."
         )
+    if pos in e.positions:  # a NaN coordinate would drop the atom's pairs silently (NaN < cutoff is False)
+        check_array(f"CompiledSpec.call: adapter {e.name!r} {e.label(pos)}", "positions", value,
+                    ids=getattr(cs.plan, "owned_global", None), fix=FIX_POSITIONS)
     if isinstance(value, jax.core.Tracer):
         pass  # inside jit / grad: shard_map places it by in_specs
     elif isinstance(value, jax.Array):

@@ -30,14 +30,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..layout import HaloPlan
+from ..layout.finite import check_structure
 from ..layout.structure import checked_structure
 from ..lower import collectives as C
 from ..lower import compile as lower_compile
 from ..lower import exchange as X
 from ..lower import auto_mesh, make_mesh
+from ..lower.finite import check_results
 from ..lower.tables import place
 from ..spec import DistributionSpec
 from .edges import EdgePlan
+from .guards import explain
 from .protocol import MessagePassingWrapper, numpy_dtype
 from .specs import RunSettings, cell_volume, check_model, run_settings, stress_wanted
 from .stages import Stages
@@ -364,6 +367,7 @@ class DistributedMLIP:
             `jax.Array`s instead of global numpy arrays.
         """
         s = self.settings
+        check_structure("DistributedMLIP.evaluate", positions, cell)  # also with state=, where prepare is skipped
         state = self.prepare(positions, numbers, cell, pbc) if state is None else state
         want_stress = stress_wanted(s, stress, "DistributedMLIP.evaluate")
         pos_owned = state.cs.owned(np.asarray(positions, dtype=np.float64).astype(self._np_dtype()), positions=True)
@@ -377,6 +381,7 @@ class DistributedMLIP:
             volume = cell_volume(state.cell, "DistributedMLIP.evaluate")
             out["virial"] = virial
             out["stress"] = -virial / volume
+        check_results("DistributedMLIP.evaluate", out, explain=lambda: explain(self, positions, numbers, cell, pbc))
         return out
 
     def _np_dtype(self) -> Any:

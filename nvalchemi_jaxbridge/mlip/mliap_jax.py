@@ -34,8 +34,11 @@ from jax.sharding import PartitionSpec as P
 from ..lower import collectives as C
 from ..lower import compile as lower_compile
 from ..lower import auto_mesh, make_mesh
+from ..layout.finite import check_structure
+from ..lower.finite import check_results
 from ..lower.tables import place
 from ..spec import DistributionSpec, HaloStoragePolicy
+from .guards import explain
 from .jax_model import ModelState
 from .mliap import MLIAPModel, identity_exchange
 from .mliap_data import BlockData
@@ -203,6 +206,7 @@ class JaxMLIAP:
     def evaluate(self, positions: Any, numbers: Any, cell: Any, pbc: Any = True, *,
                  state: ModelState | None = None, stress: bool | None = None) -> dict[str, Any]:
         """Energy, forces, stress (default: when every axis is periodic) and atomic energies, global order."""
+        check_structure("DistributedMLIP.evaluate", positions, cell)  # also with state= (no prepare)
         state = self.prepare(positions, numbers, cell, pbc) if state is None else state
         want = all(state.periodic) if stress is None else bool(stress)
         pos_owned = state.cs.owned(np.asarray(positions, dtype=np.float64), positions=True)
@@ -212,5 +216,6 @@ class JaxMLIAP:
         if want:
             out["virial"] = -np.asarray(g_strain)
             out["stress"] = -out["virial"] / cell_volume(state.cell, "DistributedMLIP.evaluate")
+        check_results("DistributedMLIP.evaluate", out, explain=lambda: explain(self, positions, numbers, cell, pbc))
         return out
 

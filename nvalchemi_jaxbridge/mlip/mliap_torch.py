@@ -25,9 +25,12 @@ import numpy as np
 import torch
 
 from ..layout import HaloPlan
+from ..layout.finite import check_structure
 from ..layout.structure import checked_structure
+from ..lower.finite import check_results
 from ..torch import functions as F
 from .edges import EdgePlan
+from .guards import explain
 from .mliap import ExchangeStep, MLIAPModel, check_schedule, identity_exchange
 from .mliap_data import BlockData, MLIAPError, pair_virial, row_forces
 from .mliap_kokkos import block_data
@@ -114,6 +117,7 @@ class TorchMLIAP:
     def evaluate(self, positions: Any, numbers: Any, cell: Any, pbc: Any = True, *,
                  state: MLIAPTorchState | None = None, stress: bool | None = None) -> dict[str, Any]:
         """Energy, forces, stress (when the cell has volume) and atomic energies, on every rank."""
+        check_structure("TorchDistributedMLIP.evaluate", positions, cell)  # also with state= (no prepare)
         state = self.prepare(positions, numbers, cell, pbc) if state is None else state
         ctx = F.context_for(state.plan)
         pos = np.asarray(positions, dtype=np.float64)
@@ -138,6 +142,7 @@ class TorchMLIAP:
         if want_stress:
             out["virial"] = virial.cpu().numpy()
             out["stress"] = -out["virial"] / cell_volume(state.cell, "TorchDistributedMLIP.evaluate")
+        check_results("TorchDistributedMLIP.evaluate", out, explain=lambda: explain(self, pos, numbers, cell, pbc))
         return out
 
     def _block(self, ctx: Any, state: MLIAPTorchState, pos: np.ndarray, *, probe: bool = False) -> BlockData:

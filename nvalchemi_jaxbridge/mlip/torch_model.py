@@ -31,11 +31,14 @@ import numpy as np
 import torch
 
 from ..layout import HaloPlan
+from ..layout.finite import check_structure
+from ..lower.finite import check_results
 from ..lower import exchange as X
 from ..spec import AdapterRegistry, ModuleForwardAdapter
 from ..torch import functions as F
 from ..torch.layer_exchange import fold_halo, refresh_halo
 from .edges import EdgePlan
+from .guards import explain
 from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, like, numpy_dtype, with_edge_features
 from .specs import RunSettings, as_mlip_spec, cell_volume, check_model, run_settings, stress_wanted
 
@@ -296,6 +299,7 @@ class TorchDistributedMLIP:
         """
         s = self.settings
         dev = self.device  # checks the model's device on first use
+        check_structure("TorchDistributedMLIP.evaluate", positions, cell)  # also with state= (no prepare)
         state = self.prepare(positions, numbers, cell, pbc) if state is None else state
         want_stress = stress_wanted(s, stress, "TorchDistributedMLIP.evaluate")
         ctx = F.context_for(state.plan)
@@ -333,6 +337,9 @@ class TorchDistributedMLIP:
             virial = -self._sum(ctx, g.reshape(1, 9)).reshape(3, 3)
             volume = cell_volume(state.cell, "TorchDistributedMLIP.evaluate")
             out["virial"], out["stress"] = virial, -virial / volume
+        # every rank holds the same global results, so every rank raises alike (no rank left in a collective)
+        check_results("TorchDistributedMLIP.evaluate", out,
+                      explain=lambda: explain(self, positions, numbers, cell, pbc))
         if not as_tensors:  # the only copies to the host, once everything is computed
             out = {k: float(v) if k == "energy" else v.cpu().numpy() for k, v in out.items()}
         out["owned_ids"] = ctx.owned_ids()

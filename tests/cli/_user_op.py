@@ -67,3 +67,12 @@ def soft_sphere(positions: torch.Tensor, owned_mask: torch.Tensor, cutoff: float
 @soft_sphere.register_fake
 def _(positions, owned_mask, cutoff=4.5, strength=0.02):
     return positions.new_empty(()), positions.new_empty(positions.shape)
+
+
+def singular_morse(positions, owned_mask, r0, depth, r_nan, cutoff=6.0, alpha=1.3):
+    """`morse`, except that the energy and the forces of atoms in a pair closer than `r_nan` are NaN (a model
+    whose formula breaks below a distance; the same numbers as `morse` above it)."""
+    e, f = morse(positions, owned_mask, r0, depth, cutoff, alpha)
+    r, inside = _pairs(positions, cutoff)
+    close = jnp.any(inside & (r < r_nan), axis=1)
+    return jnp.where(jnp.any(close), jnp.nan, e), jnp.where(close[:, None], jnp.nan, f)

@@ -166,3 +166,37 @@ def test_a_model_run_stops_on_its_energy_limit_and_refuses_an_overflowing_step(t
     assert "error: run stopped at step 0: |potential energy| per atom is" in out.err and "STOPPED" in out.out
     rc, out, r = _cli([*fast, "--dt", "1e308"], tmp_path, capsys)
     assert rc == 2 and "--dt 1e+308 fs moves an atom inf Å in the first step" in out.err
+
+
+def test_a_state_that_turns_nan_mid_run_stops_at_that_step_with_the_atoms(tmp_path, capsys):
+    """The op is Morse until two atoms come closer than `r_nan`, then NaN. The step it first happens comes
+    from a plain Morse run's trajectory (closest pair per step, minimum image); the run, checking only every
+    5 steps, stops exactly there and reports no energy past the step before."""
+    import ase.build
+    import ase.io
+
+    atoms = ase.build.bulk("Cu", "fcc", a=3.61, cubic=True).repeat(2)
+    atoms.positions += np.random.default_rng(7).normal(scale=0.05, size=atoms.positions.shape)
+    xyz = tmp_path / "s.extxyz"
+    ase.io.write(xyz, atoms)
+    common = ["run", "--quiet", "--devices", "2", "--structure", str(xyz), "--temperature", "3000", "--steps", "10",
+              "--param", "r0=2.87", "--param", "depth=0.34", "--check-every", "5"]
+    traj = tmp_path / "t.extxyz"
+    rc, _, r = _cli([*common, "--op", "tests.cli._user_op:morse", "--trajectory", str(traj), "--trajectory-every",
+                     "1"], tmp_path, capsys)
+    assert rc == 0 and r["steps_done"] == 10
+    closest = []
+    for frame in ase.io.read(traj, ":"):
+        d = frame.get_all_distances(mic=True)
+        closest.append(d[~np.eye(len(frame), dtype=bool)].min())
+    running = np.minimum.accumulate(closest)
+    step = next(s for s in range(2, 10) if closest[s] < running[s - 1])  # a new closest approach
+    r_nan = (running[step - 1] + closest[step]) / 2
+    rc, out, r = _cli([*common, "--op", "tests.cli._user_op:singular_morse", "--param", f"r_nan={float(r_nan)!r}"],
+                      tmp_path, capsys)
+    assert rc == 1 and r["stop"]["step"] == step and r["steps_done"] == step - 1, out.err
+    assert re.search(rf"error: run stopped at step {step}: the positions, velocities, forces or potential energy "
+                     rf"became non-finite \(NaN or inf\); at step \d+ \(the check that found it\) the "
+                     rf"(positions|velocities|forces) of atoms \[[\d, ]+\].* are not finite\. The run blew up", out.err), out.err
+    assert len(r["energy_per_atom_eV"]) == step  # steps 0 .. step - 1: none computed on non-finite positions
+    assert np.isfinite(r["energy_per_atom_eV"]).all()

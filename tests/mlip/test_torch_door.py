@@ -114,6 +114,15 @@ def test_as_tensors_gives_the_same_numbers_as_tensors_on_the_rank_device(ranks):
         np.testing.assert_array_equal(tensors["owned_ids"]["value"], numpy_out["owned_ids"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2], indirect=True)
+def test_a_nan_coordinate_is_refused_on_every_rank_with_the_atom(ranks):
+    """`evaluate(bad, state=s)` (no prepare to catch it) raises on every rank alike, before any collective."""
+    for r, res in enumerate(ranks):
+        assert res[NO_STRESS_CASE + ":nan"]["error"].startswith(
+            "NonFiniteError: TorchDistributedMLIP.evaluate: positions of atoms [7] are not finite (NaN or inf)"), r
+
+
 def test_shard_tensor_positions_into_an_unadapted_mace_raise():
     # Measured before this check: -850.81 eV against -849.26 eV, no error. Now the first gather of
     # halo positions by an index tensor inside MACE is refused, naming the op and the fix.

@@ -88,6 +88,14 @@ def main() -> None:
             results[case + ":as_tensors"] = {
                 k: {"type": type(v).__name__, "device": str(getattr(v, "device", "")), "value": v.tolist()}
                 for k, v in out.items()}
+            bad = atoms.positions.copy()
+            bad[7, 0] = float("nan")  # with a state built for the good positions: no prepare to catch it
+            state = dm.prepare(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
+            try:
+                dm.evaluate(bad, atoms.numbers, atoms.cell.array, atoms.pbc, state=state)
+                results[case + ":nan"] = {"error": None}
+            except ValueError as e:
+                results[case + ":nan"] = {"error": f"{type(e).__name__}: {e}"}
         print(f"rank {info.rank}: {case} in {time.perf_counter() - t0:.1f} s", flush=True)
     (out_dir / f"rank{info.rank}.json").write_text(json.dumps(results))
     print(f"rank {info.rank}/{info.world_size}: done", flush=True)
