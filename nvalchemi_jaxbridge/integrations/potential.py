@@ -229,7 +229,7 @@ class KernelPotential:
         re-wrapped by a lattice vector has not moved; `CompiledSpec.owned` puts it back at the layout's image)."""
         from ..layout.displacement import moved_atoms
 
-        return bool(len(moved_atoms(state.plan, np.asarray(positions, dtype=np.float64))[0]))
+        return bool(len(moved_atoms(state.plan, np.asarray(positions))[0]))
 
     def rebuild(self, state: KernelState, positions: Any) -> KernelState:
         """A new layout for `positions` with `state`'s cell and capacities (grown where they no longer fit)."""

@@ -52,12 +52,23 @@ def to_plan_image(plan: Any, positions: np.ndarray) -> np.ndarray:
     return pos - jump @ plan.basis
 
 
-def moved_atoms(plan: Any, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def rounding(plan: Any, positions: Any) -> float:
+    """How far (Å) rounding the plan's positions to the dtype of `positions` may move them (0 for float64 and up).
+
+    Positions handed over in float32 differ from the plan's float64 ones by that much without having moved.
+    """
+    dtype = getattr(positions, "dtype", np.dtype(np.float64))
+    eps = np.finfo(dtype).eps if np.issubdtype(dtype, np.floating) and np.dtype(dtype).itemsize < 8 else 0.0
+    scale = float(np.abs(plan.reference_positions).max(initial=0.0)) + float(np.abs(plan.basis).sum())
+    return 4.0 * float(eps) * scale
+
+
+def moved_atoms(plan: Any, positions: Any) -> tuple[np.ndarray, np.ndarray]:
     """Ids of the atoms more than `skin / 2` from their plan position (minimum image; non-finite ones too),
-    and every atom's displacement length `(N,)`."""
+    and every atom's displacement length `(N,)`. Rounding to the dtype of `positions` is no move."""
     disp, _ = displacement(plan, positions)
     norm = np.linalg.norm(disp, axis=1)
-    return np.flatnonzero(~(norm <= plan.skin / 2)), norm
+    return np.flatnonzero(~(norm <= plan.skin / 2 + rounding(plan, positions))), norm
 
 
 def checked_positions(plan: Any, positions: Any, where: str, fix: str) -> np.ndarray:
@@ -73,8 +84,8 @@ def checked_positions(plan: Any, positions: Any, where: str, fix: str) -> np.nda
         StaleLayoutError: an atom moved more than `skin / 2` from its plan position (minimum image), or
             a position is not finite; the message names the atoms, their displacement and `fix`.
     """
+    bad, norm = moved_atoms(plan, positions)
     pos = np.asarray(positions, dtype=np.float64)
-    bad, norm = moved_atoms(plan, pos)
     if len(bad):
         raise StaleLayoutError(f"{where}: {moved_text(plan, bad, norm)}; the layout may miss pairs. Re-plan "
                                f"first: {fix}.")

@@ -249,6 +249,10 @@ class CompiledSpec:
         Returns:
             The kernel's outputs after the output transforms, as global
             `jax.Array`s (a single array if the kernel returns one).
+
+        The plan must hold for the positions: `owned(positions, positions=True)` checks
+        that (`StaleLayoutError` past skin/2); positions computed inside a program are the
+        caller's to check (see `owned`).
         """
         e = _find(self._entries, target, "CompiledSpec.call")
         flat, treedef, roles = arguments.classify(self, e, args, kwargs)

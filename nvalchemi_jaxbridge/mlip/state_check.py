@@ -137,8 +137,8 @@ def checked_call(state: Any, now: Fingerprint, positions: Any, numbers: Any, cel
     if (why := structure_change(state, positions, numbers, cell, pbc)) is not None:
         raise StaleStateError(f"{where}(state=...): the state is for another structure: {why}; make one for "
                               f"this structure: state = {prepare}.")
+    bad, norm = moved_atoms(state.plan, np.asarray(positions))
     pos = np.asarray(positions, dtype=np.float64)
-    bad, norm = moved_atoms(state.plan, pos)
     if len(bad):
         raise StaleStateError(f"{where}(state=...): {moved_text(state.plan, bad, norm)}; the layout may miss "
                               f"pairs. Re-plan first: state = {update}.")
@@ -158,7 +158,7 @@ def needs_replan(state: Any, now: Fingerprint, positions: Any) -> bool:
     """Whether `update` must re-plan: another fingerprint, or an atom beyond skin/2 (minimum image)."""
     if fingerprint_change(state, now) is not None:
         return True
-    return bool(len(moved_atoms(state.plan, np.asarray(positions, dtype=np.float64))[0]))
+    return bool(len(moved_atoms(state.plan, np.asarray(positions))[0]))
 
 
 def is_current(potential: Any, state: Any) -> bool:

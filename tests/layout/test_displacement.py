@@ -84,3 +84,15 @@ def test_a_non_finite_position_counts_as_moved():
     bad[3, 1] = np.nan
     with pytest.raises(StaleLayoutError, match=r"a non-finite position does\): atoms 3 \(nan Å\)"):
         checked_positions(plan, bad, "here", "rebuild")
+
+
+def test_rounding_to_float32_is_no_move_but_a_move_past_it_is():
+    cell = np.diag([9.0, 9.0, 9.0])
+    pos = np.random.default_rng(1).uniform(0, 9, (20, 3)) + 100.0  # far from the origin: float32 rounds ~4e-6 Å
+    plan = HaloPlan.build(pos, cell, cutoff=CUTOFF, skin=0.0, n_devices=1)  # skin 0: any real move is stale
+    f32 = pos.astype(np.float32)
+    assert moved_atoms(plan, f32)[0].size == 0
+    assert moved_atoms(plan, f32.astype(np.float64))[0].size == 20  # the same numbers in float64: moved
+    moved = f32.copy()
+    moved[7, 0] += np.float32(0.01)
+    np.testing.assert_array_equal(moved_atoms(plan, moved)[0], [7])
