@@ -35,8 +35,9 @@ def displacement(plan: Any, positions: np.ndarray) -> tuple[np.ndarray, np.ndarr
     """
     pos = np.asarray(positions, dtype=np.float64)
     frac = (pos - plan.reference_positions) @ np.linalg.inv(plan.basis)
-    jump = np.where(np.asarray(plan.periodic)[None, :], np.round(frac), 0.0)
-    jump = np.where(np.isfinite(jump), jump, 0.0)  # a non-finite position shows as a non-finite displacement
+    jump = np.round(frac)
+    jump[:, ~np.asarray(plan.periodic)] = 0.0
+    jump[~np.isfinite(jump)] = 0.0  # a non-finite position shows as a non-finite displacement
     return (frac - jump) @ plan.basis, jump
 
 
@@ -66,8 +67,11 @@ def rounding(plan: Any, positions: Any) -> float:
 def moved_atoms(plan: Any, positions: Any) -> tuple[np.ndarray, np.ndarray]:
     """Ids of the atoms more than `skin / 2` from their plan position (minimum image; non-finite ones too),
     and every atom's displacement length `(N,)`. Rounding to the dtype of `positions` is no move."""
-    disp, _ = displacement(plan, positions)
-    norm = np.linalg.norm(disp, axis=1)
+    return _moved(plan, positions, displacement(plan, positions)[0])
+
+
+def _moved(plan: Any, positions: Any, disp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    norm = np.sqrt(np.einsum("ij,ij->i", disp, disp))
     return np.flatnonzero(~(norm <= plan.skin / 2 + rounding(plan, positions))), norm
 
 
@@ -84,12 +88,13 @@ def checked_positions(plan: Any, positions: Any, where: str, fix: str) -> np.nda
         StaleLayoutError: an atom moved more than `skin / 2` from its plan position (minimum image), or
             a position is not finite; the message names the atoms, their displacement and `fix`.
     """
-    bad, norm = moved_atoms(plan, positions)
     pos = np.asarray(positions, dtype=np.float64)
+    disp, jump = displacement(plan, pos)
+    bad, norm = _moved(plan, positions, disp)
     if len(bad):
         raise StaleLayoutError(f"{where}: {moved_text(plan, bad, norm)}; the layout may miss pairs. Re-plan "
                                f"first: {fix}.")
-    return to_plan_image(plan, pos)
+    return pos - jump @ plan.basis if jump.any() else pos
 
 
 def moved_text(plan: Any, bad: np.ndarray, norm: np.ndarray) -> str:

@@ -123,14 +123,18 @@ class CompiledSpec:
             )
         return self._sharded(self.plan.to_owned(np.asarray(x), pad_rows=pad_rows))
 
-    def halo(self, x: Any, positions: bool = False) -> jax.Array:
+    def halo(self, x: Any, positions: bool = False, *, check: bool = True) -> jax.Array:
         """Global per-atom numpy values `(N, ...)` as halo storage `(D * halo_rows, ...)`, sharded.
 
         `positions=True` puts owned and ghost rows in the plan's wrapped frame
-        (`plan.halo_offset`) and parks padding rows, as a `GatherInputs` of positions does.
+        (`plan.halo_offset`) and parks padding rows, as a `GatherInputs` of positions does;
+        the positions are checked against the plan first, as in `owned`.
         """
         self._need_halo("halo")
         x = _host_input(x, "CompiledSpec.halo: x")
+        if positions and check and x.shape == (self.plan.n_atoms, 3) and x.dtype.kind == "f":
+            fix = "cs = cs.rebuild(positions), or cs.halo(..., check=False) to pass them unchecked"
+            x = checked_positions(self.plan, x, "CompiledSpec.halo(positions=True)", fix).astype(x.dtype)
         return self._sharded(self.plan.to_halo(x, positions=positions))
 
     def halo_owned_mask(self) -> jax.Array:

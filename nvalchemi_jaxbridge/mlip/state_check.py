@@ -158,7 +158,12 @@ def needs_replan(state: Any, now: Fingerprint, positions: Any) -> bool:
     """Whether `update` must re-plan: another fingerprint, or an atom beyond skin/2 (minimum image)."""
     if fingerprint_change(state, now) is not None:
         return True
-    return bool(len(moved_atoms(state.plan, np.asarray(positions))[0]))
+    pos = np.asarray(positions)
+    if pos.shape != (state.plan.n_atoms, 3):
+        raise StaleStateError(f"update: positions have shape {pos.shape}, the state is for ({state.plan.n_atoms}, 3); "
+                              "another atom count needs a new state: state = model.prepare(positions, numbers, cell, "
+                              "pbc).")
+    return bool(len(moved_atoms(state.plan, pos)[0]))
 
 
 def is_current(potential: Any, state: Any) -> bool:

@@ -57,6 +57,8 @@ def test_wrapped_positions_give_ases_numbers_with_the_old_plan(program):
         e, f = _run(cs, adapter, pos)
         assert abs(e - e_ref) <= 1e-10 * abs(e_ref)
         np.testing.assert_allclose(f, f_ref, rtol=0, atol=1e-12)
+    want = np.asarray(cs.halo(atoms.positions, positions=True))  # the halo block a kernel sees: the plan's
+    np.testing.assert_allclose(np.asarray(cs.halo(wrapped.positions, positions=True)), want, rtol=0, atol=1e-12)
     # what the check prevents: the shifted atoms taken as given, with the image shifts of their old frame
     _, f_raw = _run(cs, adapter, shifted, check=False)
     assert np.abs(f_raw - f_ref).max() > 1e-3

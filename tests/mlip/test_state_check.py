@@ -85,6 +85,8 @@ def test_an_atom_past_half_the_skin_is_refused_and_update_replans(jax_door):
     new = dm.update(state, moved.positions)
     assert new is not state
     _check(dm.evaluate(moved.positions, *_args(atoms), state=new), _want(w, moved))
+    with pytest.raises(StaleStateError, match=r"update: positions have shape \(107, 3\), the state is for \(108, 3\)"):
+        dm.update(state, moved.positions[1:])
     near = atoms.copy()
     near.positions[5] += [0.2, 0.0, 0.0]  # within skin/2: the old state holds
     _check(dm.evaluate(near.positions, *_args(atoms), state=state), _want(w, near))
