@@ -396,7 +396,8 @@ class DistributedMLIP:
             `jax.Array`s instead of global numpy arrays.
 
         Raises:
-            StaleStateError: `state` does not hold for the call (the message names what differs and the fix).
+            nvalchemi_jaxbridge.mlip.state_check.StaleStateError: `state` does not hold for the call (the
+                message names what differs and the fix).
         """
         s = self.settings
         if state is None:
