@@ -141,6 +141,12 @@ def test_a_model_changed_after_prepare_is_followed_by_the_calculator_and_refused
     calc_atoms = atoms.copy()
     calc_atoms.calc = JaxBridgeCalculator(dm)
     calc_atoms.get_forces()
+    for pos in _wrapped(atoms, n=10):  # re-wrapped atoms: the calculator's layout holds, exactly
+        calc_atoms.positions = pos
+        _check(_calculated(calc_atoms), _want(w, atoms))
+    engine = calc_atoms.calc.engine
+    assert engine.prepares == 1 and engine.rebuilds == 0
+    calc_atoms.positions = atoms.positions
     state = dm.prepare(atoms.positions, *_args(atoms))
     neighbor_fn, energy_fn = halo_energy_fn(dm, *_args(atoms))
     nbrs = neighbor_fn.allocate(atoms.positions)
@@ -149,8 +155,8 @@ def test_a_model_changed_after_prepare_is_followed_by_the_calculator_and_refused
     want = _want(w, atoms)
     assert abs(want["energy"] - _want(_mpnn(), atoms)["energy"]) > 1e-3  # the change matters
     calc_atoms.calc.reset()  # ASE keeps results of unchanged atoms: ask again
-    _check({"energy": calc_atoms.get_potential_energy(), "forces": calc_atoms.get_forces(),
-            "stress": calc_atoms.get_stress(voigt=False)}, want)
+    _check(_calculated(calc_atoms), want)
+    assert engine.prepares == 2  # the calculator saw the change and laid the structure out anew
     with pytest.raises(StaleStateError, match=r"cutoff was 4.0 when the state was made, now 5.0.*model.prepare"):
         dm.evaluate(atoms.positions, *_args(atoms), state=state)
     with pytest.raises(StaleStateError, match=r"energy_fn: the layout does not hold for the model any more: cutoff "
@@ -158,6 +164,11 @@ def test_a_model_changed_after_prepare_is_followed_by_the_calculator_and_refused
         energy_fn(atoms.positions, neighbor=nbrs)
     assert neighbor_fn.allocate(atoms.positions, nbrs).state.plan.cutoff == 5.0
     _check(dm.evaluate(atoms.positions, *_args(atoms), state=dm.update(state, atoms.positions)), want)
+
+
+def _calculated(atoms) -> dict:
+    return {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(),
+            "stress": atoms.get_stress(voigt=False)}
 
 
 # ------------------------------------------------------------------ the ML-IAP driver (JAX door)
