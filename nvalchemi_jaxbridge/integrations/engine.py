@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ..layout.displacement import to_plan_image
 from ..layout.structure import checked_structure as structure
 
 
@@ -154,15 +155,20 @@ class Engine:
                per_atom: Mapping[str, Any] | None = None) -> Any:
         """The layout for this structure: the cached one, re-planned, or new (see the class docstring).
 
-        A new atom count, new atomic numbers or new periodicity build a new layout; a new cell
-        or new per-atom values rebuild it with the old capacities where the potential allows
+        A new atom count, new atomic numbers or new periodicity build a new layout, and so does
+        a model changed since the layout was made (a `DistributedMLIP` whose wrapper's cutoff,
+        layers or dtype changed: `fingerprint()` is read at every call); a new cell or new
+        per-atom values rebuild it with the old capacities where the potential allows
         (`KernelPotential`). Moved atoms are `compute`'s business: its program flags a stale plan.
         """
+        from ..mlip.state_check import is_current
+
         pos, numbers, cell, periodic = structure(positions, numbers, cell, pbc, "Engine")
         values = {k: np.asarray(v) for k, v in (per_atom or {}).items()}
         topo = (len(pos), numbers.tobytes(), periodic)
         geo = (cell.tobytes(), tuple((k, v.tobytes()) for k, v in sorted(values.items())))
-        if self.state is None or self._key is None or self._key[0] != topo:
+        if self.state is None or self._key is None or self._key[0] != topo or not is_current(self.potential,
+                                                                                               self.state):
             self.state = prepare(self.potential, pos, numbers, cell, periodic, values)
             self.prepares += 1
         elif self._key[1] != geo:
@@ -219,7 +225,9 @@ class Engine:
             ref = cs.owned(cs.plan.reference_positions.astype(self.dtype), positions=True)
             self._reference = (state, ref)
         try:
-            return self._program.jitted(state, cs.owned(pos.astype(self.dtype), positions=True), self._reference[1])
+            # each atom at the plan's periodic image (exact; re-wrapping is no move); the program measures the rest
+            x = cs.owned(to_plan_image(cs.plan, pos).astype(self.dtype), positions=True, check=False)
+            return self._program.jitted(state, x, self._reference[1])
         except Exception as e:
             if type(e).__name__ == "NotDifferentiableError":
                 raise type(e)(

@@ -215,10 +215,19 @@ class HaloNeighborFn:
         return pos
 
     def _check(self, positions: Any, neighbor: Any, where: str) -> None:
+        from ..mlip.state_check import StaleStateError, fingerprint_change
+
         if not isinstance(neighbor, HaloNeighbors) or neighbor.neighbor_fn is not self:
             raise TypeError(
                 f"{where}: neighbor must be the HaloNeighbors of this halo_energy_fn (neighbor_fn.allocate(R)), "
                 f"got {type(neighbor).__name__}; pass it as neighbor=nbrs."
+            )
+        # eagerly at every call, under jit when traced: a model changed after allocate (e.g. its cutoff)
+        fp = getattr(self.potential, "fingerprint", None)
+        if fp is not None and (why := fingerprint_change(neighbor.state, fp())) is not None:
+            raise StaleStateError(
+                f"{where}: the layout does not hold for the model any more: {why}; re-allocate: "
+                "nbrs = neighbor_fn.allocate(R, nbrs) (and trace a jitted function again)."
             )
         if tuple(getattr(positions, "shape", ())) != (self.n_atoms, 3):
             kind = "fractional" if self.fractional else "Cartesian"

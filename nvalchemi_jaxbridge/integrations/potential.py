@@ -225,8 +225,11 @@ class KernelPotential:
         return self._state(self._compiled(plan), values, numbers, cell, periodic)
 
     def needs_rebuild(self, state: KernelState, positions: Any) -> bool:
-        """Whether `positions` moved more than skin/2 from the layout's (or were re-wrapped)."""
-        return state.plan.needs_rebuild(np.asarray(positions, dtype=np.float64))
+        """Whether an atom moved more than skin/2 from the layout's positions (minimum image: an atom
+        re-wrapped by a lattice vector has not moved; `CompiledSpec.owned` puts it back at the layout's image)."""
+        from ..layout.displacement import moved_atoms
+
+        return bool(len(moved_atoms(state.plan, np.asarray(positions))[0]))
 
     def rebuild(self, state: KernelState, positions: Any) -> KernelState:
         """A new layout for `positions` with `state`'s cell and capacities (grown where they no longer fit)."""

@@ -48,6 +48,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..layout.displacement import checked_positions
+from ..layout.finite import FIX_POSITIONS, check_finite
 from . import arguments, exchange, programs
 from .entries import _Entry, _find, _position_args, _resolve, _storage_kind, jax_kernel
 from .mesh import auto_mesh, mesh_axis
@@ -88,12 +90,22 @@ class CompiledSpec:
     def _sharded(self, x: np.ndarray) -> jax.Array:
         return place(x, NamedSharding(self.mesh, P(self.axis)))
 
-    def owned(self, x: Any, positions: bool = False, *, pad_rows: int = 1) -> jax.Array:
+    def owned(self, x: Any, positions: bool = False, *, pad_rows: int = 1, check: bool = True) -> jax.Array:
         """Global per-atom numpy values `(N, ...)` as owned storage, sharded over the mesh.
 
         Halo plans give `(D * owned_capacity, ...)` (`positions=True` parks padding
-        rows; owned rows keep the caller's coordinates, wrapped or not); shard plans
-        give `(D * (owned_capacity + pad_rows), ...)`.
+        rows); shard plans give `(D * (owned_capacity + pad_rows), ...)`.
+
+        Positions of a halo plan (`positions=True`) are checked against the plan: an atom
+        more than `skin / 2` from the position the plan was built for (minimum image), or
+        raises `StaleLayoutError` (re-plan with `cs.rebuild(positions)`), a non-finite one
+        `NonFiniteError` naming the atoms;
+        an atom moved by a lattice vector (re-wrapped) is put back at the plan's image,
+        which gives the same results exactly. `check=False` skips both (the caller's
+        coordinates as given, unchecked: for callers that check in the program).
+        Positions that change inside a program (an integrator) are the caller's to check:
+        compare them with `owned(plan.reference_positions, positions=True)` there, as the
+        main job and `Engine` do.
 
         Nothing is narrowed: with `jax_enable_x64` off a 64-bit `x` (int64, float64, ...)
         raises ValueError; cast it to 32 bits yourself or turn x64 on. Positions must be
@@ -101,7 +113,12 @@ class CompiledSpec:
         """
         x = _host_input(x, "CompiledSpec.owned: x")
         if self.kind == "halo":
-            return self._sharded(self.plan.to_owned(np.asarray(x), positions=positions))
+            x = np.asarray(x)
+            if positions and check and x.shape == (self.plan.n_atoms, 3) and x.dtype.kind == "f":
+                check_finite("CompiledSpec.owned(positions=True)", "positions", x, fix=FIX_POSITIONS)
+                fix = "cs = cs.rebuild(positions), or cs.owned(..., check=False) to pass them unchecked"
+                x = checked_positions(self.plan, x, "CompiledSpec.owned(positions=True)", fix).astype(x.dtype)
+            return self._sharded(self.plan.to_owned(x, positions=positions))
         if positions:
             raise ValueError(
                 "CompiledSpec.owned(positions=True): sharded storage has no image shifts or parking; "
@@ -109,14 +126,18 @@ class CompiledSpec:
             )
         return self._sharded(self.plan.to_owned(np.asarray(x), pad_rows=pad_rows))
 
-    def halo(self, x: Any, positions: bool = False) -> jax.Array:
+    def halo(self, x: Any, positions: bool = False, *, check: bool = True) -> jax.Array:
         """Global per-atom numpy values `(N, ...)` as halo storage `(D * halo_rows, ...)`, sharded.
 
         `positions=True` puts owned and ghost rows in the plan's wrapped frame
-        (`plan.halo_offset`) and parks padding rows, as a `GatherInputs` of positions does.
+        (`plan.halo_offset`) and parks padding rows, as a `GatherInputs` of positions does;
+        the positions are checked against the plan first, as in `owned`.
         """
         self._need_halo("halo")
         x = _host_input(x, "CompiledSpec.halo: x")
+        if positions and check and x.shape == (self.plan.n_atoms, 3) and x.dtype.kind == "f":
+            fix = "cs = cs.rebuild(positions), or cs.halo(..., check=False) to pass them unchecked"
+            x = checked_positions(self.plan, x, "CompiledSpec.halo(positions=True)", fix).astype(x.dtype)
         return self._sharded(self.plan.to_halo(x, positions=positions))
 
     def halo_owned_mask(self) -> jax.Array:
@@ -235,6 +256,10 @@ class CompiledSpec:
         Returns:
             The kernel's outputs after the output transforms, as global
             `jax.Array`s (a single array if the kernel returns one).
+
+        The plan must hold for the positions: `owned(positions, positions=True)` checks
+        that (`StaleLayoutError` past skin/2); positions computed inside a program are the
+        caller's to check (see `owned`).
         """
         e = _find(self._entries, target, "CompiledSpec.call")
         flat, treedef, roles = arguments.classify(self, e, args, kwargs)

@@ -44,6 +44,7 @@ from .guards import explain
 from .protocol import MessagePassingWrapper, numpy_dtype
 from .specs import RunSettings, cell_volume, check_model, run_settings, stress_wanted
 from .stages import Stages
+from .state_check import checked_call, fingerprint_change, needs_replan, new_token, require_current, wrapper_fingerprint
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -64,6 +65,7 @@ class ModelState:
     numbers: np.ndarray
     cell: np.ndarray
     periodic: tuple[bool, bool, bool]
+    fingerprint: Any = None  # state_check.Fingerprint: the driver and the model as they were at prepare
 
     def rows_per_device(self) -> list[dict[str, int]]:
         """Owned, ghost and edge counts per device (what each device computes on)."""
@@ -77,7 +79,7 @@ class _Aux:
 
     def __init__(self, state: ModelState):
         self.state = state
-        self.key = (state.edges.edge_capacity, state.cs.tables.static_key)
+        self.key = (state.edges.edge_capacity, state.cs.tables.static_key, state.fingerprint)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Aux) and self.key == other.key
@@ -201,12 +203,29 @@ class DistributedMLIP:
         self.settings: RunSettings = run_settings(wrapper.distribution_spec() if spec is None else spec,
                                                   per_layer=exchange == "per_layer")
         self.mesh = auto_mesh(mesh) if mesh is not None else make_mesh(n_devices)
+        self._call_path, self._token = call_path, new_token()
+        self._fit()
+
+    def _fit(self) -> None:
+        """Stages, jitted programs and caches for the wrapper as it is now (again after it changed)."""
         gpu = self.mesh.devices.flat[0].platform == "gpu"
-        self.stages = Stages.of(wrapper, call_path=call_path, device="cuda" if gpu else "cpu")
+        self.stages = Stages.of(self.wrapper, call_path=self._call_path, device="cuda" if gpu else "cpu")
         self._value_and_grad = jax.jit(jax.value_and_grad(self.energy_fn, argnums=(1, 2), has_aux=True))
         self._value_and_forces = jax.jit(jax.value_and_grad(self.energy_fn, argnums=1, has_aux=True))
         self._programs: dict[Hashable, Callable[..., Any]] = {}
         self._compiled: Any = None  # the CompiledSpec every layout of this model shares (so do its programs)
+        self._fingerprint = self.fingerprint()
+
+    def fingerprint(self) -> Any:
+        """What a layout of this model depends on, read from the wrapper now (`state_check.Fingerprint`)."""
+        return wrapper_fingerprint(self._token, self.wrapper, self.exchange, self.skin)
+
+    def _sync(self) -> None:
+        """Follow a wrapper changed since the last call (cutoff, layers, dtype): new stages and programs;
+        older states no longer hold (`evaluate(state=)` and `energy_fn` refuse them, `update` re-plans)."""
+        if self.fingerprint() != self._fingerprint:
+            check_model(self.wrapper, self.exchange, self.skin, "DistributedMLIP")
+            self._fit()
 
     def program(self, key: Hashable, build: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
         """The program this model keeps under `key`: `build()` on first use, the same object after.
@@ -245,10 +264,11 @@ class DistributedMLIP:
                 f"DistributedMLIP.prepare: previous must be a ModelState (from prepare / update / rebuild of "
                 f"this model), got {type(previous).__name__}; pass the state itself, or leave previous out."
             )
+        self._sync()
         z = np.asarray(numbers).reshape(-1)
         periodic = tuple(bool(p) for p in np.broadcast_to(np.asarray(pbc, dtype=bool), (3,)))
-        same = (previous is not None and previous.plan.n_atoms == len(z) and np.array_equal(previous.numbers, z)
-                and previous.periodic == periodic and previous.cs.mesh == self.mesh
+        same = (previous is not None and previous.fingerprint == self._fingerprint
+                and previous.plan.n_atoms == len(z) and np.array_equal(previous.numbers, z) and previous.periodic == periodic and previous.cs.mesh == self.mesh
                 and previous.plan.cutoff == self.halo_depth and previous.plan.skin == self.skin
                 and previous.cs.spec.policy == self.settings.policy)
         plan, edges, numbers, cell, periodic = build_layout(
@@ -271,18 +291,26 @@ class DistributedMLIP:
         row = NamedSharding(self.mesh, P(cs.axis))
         shift = edges.shift.reshape(-1, 3).astype(self._np_dtype())
         return ModelState(plan, edges, cs, place(edges.edges.reshape(-1, 2), row), place(shift, row),
-                          place(edges.spare.reshape(-1), row), cs.owned(attrs), numbers, cell, periodic)
+                          place(edges.spare.reshape(-1), row), cs.owned(attrs), numbers, cell, periodic,
+                          self._fingerprint)
 
     def needs_rebuild(self, state: ModelState, positions: Any) -> bool:
-        """Whether `positions` moved too far from the layout's (more than skin/2, or re-wrapped)."""
-        return state.plan.needs_rebuild(np.asarray(positions, dtype=np.float64))
+        """Whether `state` no longer holds for `positions`: an atom more than skin/2 from the layout's
+        positions (minimum image: re-wrapping is no move), or the model changed since `prepare`."""
+        self._sync()
+        return needs_replan(state, self._fingerprint, positions)
 
     def update(self, state: ModelState, positions: Any) -> ModelState:
-        """`state` if it still holds for `positions`, else a rebuilt layout (capacities kept or grown)."""
+        """`state` if it still holds for `positions`, else a re-planned layout (capacities kept or grown;
+        a state of another model, or of this model before it changed, is laid out anew)."""
         return self.rebuild(state, positions) if self.needs_rebuild(state, positions) else state
 
     def rebuild(self, state: ModelState, positions: Any) -> ModelState:
-        """A new layout for `positions` with `state`'s capacities (grown where they no longer fit)."""
+        """A new layout for `positions` with `state`'s capacities (grown where they no longer fit); a fresh
+        one of the state's structure for a state of another model, or of this one before it changed."""
+        self._sync()
+        if fingerprint_change(state, self._fingerprint) is not None:
+            return self.prepare(positions, state.numbers, state.cell, state.periodic)
         pos = np.asarray(positions, dtype=np.float64)
         plan = state.plan.rebuild(pos)
         edges = state.edges.rebuild(plan, pos)
@@ -300,6 +328,9 @@ class DistributedMLIP:
         Returns:
             `(energy, node_energies)`: a scalar and `(D * owned_capacity,)` owned storage.
         """
+        self._sync()
+        require_current(state, self._fingerprint, "DistributedMLIP.energy_fn", "state = model.update(state, "
+                        "positions) (halo_energy_fn: nbrs = neighbor_fn.allocate(R, nbrs))")
         cs, w = state.cs, self.wrapper
         axis, policy, deep = cs.axis, self.settings.policy, self.exchange == "deep_halo"
         far = 3.0 * (w.cutoff + self.skin) + 1.0
@@ -356,7 +387,8 @@ class DistributedMLIP:
 
         Args:
             positions, numbers, cell, pbc: the structure (Å; cell rows are lattice vectors).
-            state: a layout from `prepare`/`update` to reuse (default: built now).
+            state: a layout from `prepare`/`update` to reuse (default: built now); it must be this model's
+                (as it is now), of this structure, with no atom past skin/2 (minimum image: re-wrapping is exact).
             stress: return the stress (default: when the spec's `stress_via_strain` is on).
 
         Returns:
@@ -365,12 +397,22 @@ class DistributedMLIP:
             energies under the spec's `node_energy_key` (default "atomic_energies"). Outputs
             listed in the spec's `owned_only_outputs` come back as owned-storage
             `jax.Array`s instead of global numpy arrays.
+
+        Raises:
+            nvalchemi_jaxbridge.mlip.state_check.StaleStateError: `state` does not hold for the call (the
+                message names what differs and the fix).
         """
         s = self.settings
         check_structure("DistributedMLIP.evaluate", positions, cell)  # also with state=, where prepare is skipped
-        state = self.prepare(positions, numbers, cell, pbc) if state is None else state
+        if state is None:
+            state, pos = self.prepare(positions, numbers, cell, pbc), np.asarray(positions, dtype=np.float64)
+        else:
+            self._sync()
+            pos = checked_call(state, self._fingerprint, positions, numbers, cell, pbc,
+                               where="DistributedMLIP.evaluate", prepare="model.prepare(positions, numbers, cell, "
+                               "pbc, previous=state)", update="model.update(state, positions)")
         want_stress = stress_wanted(s, stress, "DistributedMLIP.evaluate")
-        pos_owned = state.cs.owned(np.asarray(positions, dtype=np.float64).astype(self._np_dtype()), positions=True)
+        pos_owned = state.cs.owned(pos.astype(self._np_dtype()), positions=True, check=False)
         energy, node_e, g_pos, g_strain = self.energy_and_gradients(state, pos_owned, strain=want_stress)
         out: dict[str, Any] = {"energy": float(energy)}
         forces = -g_pos

@@ -45,6 +45,7 @@ from .mliap_data import BlockData
 from .mliap_ops import SegmentOps
 from .mliap_torch import layout
 from .specs import cell_volume
+from .state_check import checked_call, fingerprint_change, mliap_fingerprint, needs_replan, new_token, require_current
 
 
 def _refresh(x: jax.Array, t: Any, axis: str) -> jax.Array:
@@ -81,17 +82,32 @@ class JaxMLIAP:
                 "DistributedMLIP: an ML-IAP model takes float64 pair vectors (as LAMMPS gives them), but JAX runs "
                 "with 64-bit types off; call jax.config.update('jax_enable_x64', True) before building it."
             )
-        self.model = MLIAPModel(obj)
-        self.wrapper = self.model  # what reports and engines read: name, cutoff
-        self.name, self.cutoff = self.model.name, self.model.cutoff
+        self.obj, self._call_path, self._token = obj, call_path, new_token()
         self.exchange, self.skin, self.headroom = exchange, float(skin), float(headroom)
         self.mesh = auto_mesh(mesh) if mesh is not None else make_mesh(n_devices)
         self.np_dtype = np.dtype(np.float64)
-        self.ops = SegmentOps(self.model, call_path=call_path)
+        self._fit()
+
+    def _fit(self) -> None:
+        """The model's reading, ops, jitted programs and caches for the object as it is now."""
+        self.model = MLIAPModel(self.obj)
+        self.wrapper = self.model  # what reports and engines read: name, cutoff
+        self.name, self.cutoff = self.model.name, self.model.cutoff
+        self.ops = SegmentOps(self.model, call_path=self._call_path)
         self._value_and_grad = jax.jit(jax.value_and_grad(self.energy_fn, argnums=(1, 2), has_aux=True))
         self._value_and_forces = jax.jit(jax.value_and_grad(self.energy_fn, argnums=1, has_aux=True))
         self._programs: dict[Any, Any] = {}
         self._compiled: Any = None
+        self._fingerprint = self.fingerprint()
+
+    def fingerprint(self) -> Any:
+        """What a layout depends on, read from the object now (its cutoff `2 * rcutfac`)."""
+        return mliap_fingerprint(self._token, self.obj, self.exchange, self.skin)
+
+    def _sync(self) -> None:
+        """Follow an object whose cutoff changed since the last call (see `DistributedMLIP._sync`)."""
+        if self.fingerprint() != self._fingerprint:
+            self._fit()
 
     halo_depth = property(lambda self: self.cutoff)
 
@@ -110,6 +126,7 @@ class JaxMLIAP:
     def prepare(self, positions: Any, numbers: Any, cell: Any, pbc: Any = True, *,
                 previous: ModelState | None = None) -> ModelState:
         """The layout of one structure (LAMMPS': ghosts within cutoff + skin, own images as ghost rows)."""
+        self._sync()
         plan, edges, elems, numbers, cell, periodic = layout(
             self.model, positions, numbers, cell, pbc, n_devices=int(self.mesh.devices.size), skin=self.skin,
             headroom=self.headroom)
@@ -142,18 +159,23 @@ class JaxMLIAP:
         zero_shift = np.zeros((plan.n_devices * edges.edge_capacity, 3))
         return ModelState(plan, edges, cs, place(edges.edges.reshape(-1, 2), row), place(zero_shift, row),
                           place(edges.spare.reshape(-1), row), cs.owned(elems.reshape(-1, 1).astype(np.int32)),
-                          numbers, cell, periodic)
+                          numbers, cell, periodic, self._fingerprint)
 
     def needs_rebuild(self, state: ModelState, positions: Any) -> bool:
-        """Whether `positions` moved too far from the layout's (more than skin/2, or re-wrapped)."""
-        return state.plan.needs_rebuild(np.asarray(positions, dtype=np.float64))
+        """Whether `state` no longer holds: an atom beyond skin/2 (minimum image), or the model changed."""
+        self._sync()
+        return needs_replan(state, self._fingerprint, positions)
 
     def update(self, state: ModelState, positions: Any) -> ModelState:
         """`state` if it still holds for `positions`, else a rebuilt layout."""
         return self.rebuild(state, positions) if self.needs_rebuild(state, positions) else state
 
     def rebuild(self, state: ModelState, positions: Any) -> ModelState:
-        """A new layout for `positions` with `state`'s capacities (grown where they no longer fit)."""
+        """A new layout for `positions` with `state`'s capacities (grown where they no longer fit); a
+        fresh one for a state of another model or of this one before it changed."""
+        self._sync()
+        if fingerprint_change(state, self._fingerprint) is not None:
+            return self.prepare(positions, state.numbers, state.cell, state.periodic)
         pos = np.asarray(positions, dtype=np.float64)
         plan = state.plan.rebuild(pos)
         edges = state.edges.rebuild(plan, pos)
@@ -164,6 +186,8 @@ class JaxMLIAP:
 
     def energy_fn(self, state: ModelState, pos_owned: jax.Array, strain: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Energy (replicated) and owned per-atom energies (see `DistributedMLIP.energy_fn`)."""
+        self._sync()
+        require_current(state, self._fingerprint, "DistributedMLIP.energy_fn", "state = model.update(state, positions)")
         cs, rc2 = state.cs, self.cutoff**2
         axis = cs.axis
         rows, cap = cs.tables.halo_rows, state.edges.edge_capacity
@@ -207,9 +231,15 @@ class JaxMLIAP:
                  state: ModelState | None = None, stress: bool | None = None) -> dict[str, Any]:
         """Energy, forces, stress (default: when every axis is periodic) and atomic energies, global order."""
         check_structure("DistributedMLIP.evaluate", positions, cell)  # also with state= (no prepare)
-        state = self.prepare(positions, numbers, cell, pbc) if state is None else state
+        if state is None:
+            state, pos = self.prepare(positions, numbers, cell, pbc), np.asarray(positions, dtype=np.float64)
+        else:  # the state must hold for this call (see DistributedMLIP.evaluate)
+            self._sync()
+            pos = checked_call(state, self._fingerprint, positions, numbers, cell, pbc,
+                               where="DistributedMLIP.evaluate", prepare="model.prepare(positions, numbers, cell, "
+                               "pbc)", update="model.update(state, positions)")
         want = all(state.periodic) if stress is None else bool(stress)
-        pos_owned = state.cs.owned(np.asarray(positions, dtype=np.float64), positions=True)
+        pos_owned = state.cs.owned(pos, positions=True, check=False)
         energy, node_e, g_pos, g_strain = self.energy_and_gradients(state, pos_owned, strain=want)
         out: dict[str, Any] = {"energy": float(energy), "forces": state.cs.to_global(-g_pos),
                                "atomic_energies": state.cs.to_global(node_e)}

@@ -35,6 +35,7 @@ from .mliap import ExchangeStep, MLIAPModel, check_schedule, identity_exchange
 from .mliap_data import BlockData, MLIAPError, pair_virial, row_forces
 from .mliap_kokkos import block_data
 from .specs import cell_volume
+from .state_check import checked_call, fingerprint_change, mliap_fingerprint, needs_replan, new_token
 
 _DTYPES = {1: torch.float32, 2: torch.float64, 3: torch.float16, 4: torch.bfloat16}
 _MAX_STEPS = 64
@@ -50,6 +51,7 @@ class MLIAPTorchState:
     numbers: np.ndarray
     cell: np.ndarray
     periodic: tuple[bool, bool, bool]
+    fingerprint: Any = None  # state_check.Fingerprint: the driver and the object as they were at prepare
 
 
 def layout(model: MLIAPModel, positions: Any, numbers: Any, cell: Any, pbc: Any, *, n_devices: int, skin: float,
@@ -90,24 +92,43 @@ class TorchMLIAP:
             )
         if not skin >= 0:
             raise ValueError(f"TorchDistributedMLIP: skin must be >= 0 Å, got {skin!r}.")
-        self.model = MLIAPModel(obj)
+        self.obj, self._token = obj, new_token()
         self.exchange, self.skin, self.headroom = exchange, float(skin), float(headroom)
+        self._fit()
+
+    def _fit(self) -> None:
+        """The object's reading (cutoff, species; schedule learned again) as it is now."""
+        self.model = MLIAPModel(self.obj)
         self.name = self.model.name
         self.cutoff = self.model.cutoff
+        self._fingerprint = self.fingerprint()
+
+    def fingerprint(self) -> Any:
+        """What a layout depends on, read from the object now (its cutoff `2 * rcutfac`)."""
+        return mliap_fingerprint(self._token, self.obj, self.exchange, self.skin)
+
+    def _sync(self) -> None:
+        """Follow an object whose cutoff changed since the last call; older states no longer hold."""
+        if self.fingerprint() != self._fingerprint:
+            self._fit()
 
     # ------------------------------------------------------------------ layout
 
     def prepare(self, positions: Any, numbers: Any, cell: Any, pbc: Any = True) -> MLIAPTorchState:
         """The layout (the same on every rank)."""
+        self._sync()
         plan, edges, elems, numbers, cell, periodic = layout(
             self.model, positions, numbers, cell, pbc, n_devices=F.front_door_mesh().devices.size, skin=self.skin,
             headroom=self.headroom)
-        return MLIAPTorchState(plan, edges, elems, numbers, cell, periodic)
+        return MLIAPTorchState(plan, edges, elems, numbers, cell, periodic, self._fingerprint)
 
     def update(self, state: MLIAPTorchState, positions: Any) -> MLIAPTorchState:
-        """`state` if it still holds for `positions`, else a rebuilt layout."""
+        """`state` if it still holds for `positions` (re-wrapping is no move), else a re-planned layout."""
+        self._sync()
+        if fingerprint_change(state, self._fingerprint) is not None:
+            return self.prepare(positions, state.numbers, state.cell, state.periodic)
         pos = np.asarray(positions, dtype=np.float64)
-        if not state.plan.needs_rebuild(pos):
+        if not needs_replan(state, self._fingerprint, pos):
             return state
         plan = state.plan.rebuild(pos)
         return dataclasses.replace(state, plan=plan, edges=state.edges.rebuild(plan, pos))
@@ -118,9 +139,14 @@ class TorchMLIAP:
                  state: MLIAPTorchState | None = None, stress: bool | None = None) -> dict[str, Any]:
         """Energy, forces, stress (when the cell has volume) and atomic energies, on every rank."""
         check_structure("TorchDistributedMLIP.evaluate", positions, cell)  # also with state= (no prepare)
-        state = self.prepare(positions, numbers, cell, pbc) if state is None else state
+        if state is None:
+            state, pos = self.prepare(positions, numbers, cell, pbc), np.asarray(positions, dtype=np.float64)
+        else:  # the state must hold for this call (see DistributedMLIP.evaluate)
+            self._sync()
+            pos = checked_call(state, self._fingerprint, positions, numbers, cell, pbc,
+                               where="TorchDistributedMLIP.evaluate", prepare="model.prepare(positions, numbers, "
+                               "cell, pbc)", update="model.update(state, positions)")
         ctx = F.context_for(state.plan)
-        pos = np.asarray(positions, dtype=np.float64)
         data = self._block(ctx, state, pos)
         if self.model.schedule is None:
             self.model.schedule = self._agree(ctx, self.model.probe_schedule(self._block(ctx, state, pos, probe=True)))

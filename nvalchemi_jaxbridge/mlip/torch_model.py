@@ -41,6 +41,7 @@ from .edges import EdgePlan
 from .guards import explain
 from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, like, numpy_dtype, with_edge_features
 from .specs import RunSettings, as_mlip_spec, cell_volume, check_model, run_settings, stress_wanted
+from .state_check import checked_call, fingerprint_change, needs_replan, new_token, wrapper_fingerprint
 
 
 class _Layer(torch.nn.Module):
@@ -81,6 +82,7 @@ class TorchState:
     numbers: np.ndarray
     cell: np.ndarray
     periodic: tuple[bool, bool, bool]
+    fingerprint: Any = None  # state_check.Fingerprint: the driver and the model as they were at prepare
     # The layout's static block inputs on a device (parked row, edges, shifts, node attributes), by
     # (device, dtype): uploaded once per layout, not once per evaluation. A rebuilt state starts empty.
     uploaded: dict[tuple, tuple[torch.Tensor, ...]] = dataclasses.field(
@@ -189,6 +191,8 @@ class TorchDistributedMLIP:
         self.spec = as_mlip_spec(wrapper.distribution_spec() if spec is None else spec)
         self.settings: RunSettings = run_settings(self.spec, per_layer=exchange == "per_layer")
         self.model = StagedModel(wrapper)
+        self._token = new_token()
+        self._fingerprint = self.fingerprint()
         self.requested_device = None if device is None else _normalized(device)
         if self.requested_device is not None:
             for module in wrapper_modules(wrapper):
@@ -265,21 +269,37 @@ class TorchDistributedMLIP:
             real = fold_halo(ctx, torch.cat([x[:n_own], torch.zeros_like(x[n_own:n])]), policy)
         return torch.cat([real, x[n:]])
 
+    def fingerprint(self) -> Any:
+        """What a layout of this model depends on, read from the wrapper now (`state_check.Fingerprint`)."""
+        return wrapper_fingerprint(self._token, self.wrapper, self.exchange, self.skin)
+
+    def _sync(self) -> None:
+        """Follow a wrapper changed since the last call: its layers again; older states no longer hold."""
+        if self.fingerprint() != self._fingerprint:
+            check_model(self.wrapper, self.exchange, self.skin, "TorchDistributedMLIP")
+            self.model = StagedModel(self.wrapper)
+            self._fingerprint = self.fingerprint()
+
     # ---------------------------------------------------------------- layout
 
     def prepare(self, positions: Any, numbers: Any, cell: Any, pbc: Any = True) -> TorchState:
         """The layout (same on every rank): halo plan and block edges."""
         from .jax_model import build_layout
 
+        self._sync()
         plan, edges, numbers, cell, periodic = build_layout(
             self.wrapper, self.exchange, positions, numbers, cell, pbc,
             n_devices=F.front_door_mesh().devices.size, skin=self.skin, headroom=self.headroom)
-        return TorchState(plan, edges, numbers, cell, periodic)
+        return TorchState(plan, edges, numbers, cell, periodic, self._fingerprint)
 
     def update(self, state: TorchState, positions: Any) -> TorchState:
-        """`state` if it still holds for `positions`, else a rebuilt layout."""
+        """`state` if it still holds for `positions` (an atom re-wrapped by a lattice vector has not moved),
+        else a re-planned layout (a fresh one for a state of another model, or of this one before it changed)."""
+        self._sync()
+        if fingerprint_change(state, self._fingerprint) is not None:
+            return self.prepare(positions, state.numbers, state.cell, state.periodic)
         pos = np.asarray(positions, dtype=np.float64)
-        if not state.plan.needs_rebuild(pos):
+        if not needs_replan(state, self._fingerprint, pos):
             return state
         plan = state.plan.rebuild(pos)
         return dataclasses.replace(state, plan=plan, edges=state.edges.rebuild(plan, pos))
@@ -300,14 +320,19 @@ class TorchDistributedMLIP:
         s = self.settings
         dev = self.device  # checks the model's device on first use
         check_structure("TorchDistributedMLIP.evaluate", positions, cell)  # also with state= (no prepare)
-        state = self.prepare(positions, numbers, cell, pbc) if state is None else state
+        if state is None:
+            state, pos = self.prepare(positions, numbers, cell, pbc), np.asarray(positions, dtype=np.float64)
+        else:  # the state must hold for this call (see DistributedMLIP.evaluate)
+            self._sync()
+            pos = checked_call(state, self._fingerprint, positions, numbers, cell, pbc,
+                               where="TorchDistributedMLIP.evaluate", prepare="model.prepare(positions, numbers, "
+                               "cell, pbc)", update="model.update(state, positions)")
         want_stress = stress_wanted(s, stress, "TorchDistributedMLIP.evaluate")
         ctx = F.context_for(state.plan)
         self._ctx = ctx
         n_own = ctx.n_owned
         dtype = self.wrapper.dtype
         parked, edges, shift, attrs = self._uploaded(state, ctx, dev, dtype)
-        pos = np.asarray(positions, dtype=np.float64)
         pos_owned = torch.tensor(pos[ctx.owned_ids()], dtype=dtype, device=dev, requires_grad=True)
         pos_h = F.halo_from_owned(ctx, pos_owned, positions=True)
         block = torch.cat([pos_h, parked])

@@ -108,6 +108,7 @@ class ShardTensor(torch.Tensor):
         spec: Any = None,
         requires_grad: bool = False,
         pad_rows: int = 0,
+        check: bool = True,
     ) -> ShardTensor:
         """This rank's block of a global tensor (rows in global-ID order).
 
@@ -115,6 +116,12 @@ class ShardTensor(torch.Tensor):
         rank must call it together); with `positions=True` owned and ghost rows
         are put in the plan's wrapped frame (ghosts as periodic images), as a
         kernel sees them. `pad_rows` appends that many zero rows.
+
+        Positions (`positions=True`, a `HaloPlan`) are checked against the plan, as
+        `CompiledSpec.owned` does: an atom more than skin/2 from the plan's positions
+        (minimum image) raises `StaleLayoutError` (re-plan: `plan.rebuild(positions)`);
+        an atom moved by a lattice vector is put back at the plan's image (exact).
+        `check=False`: as given, unchecked.
 
         Returns:
             A leaf ShardTensor (`requires_grad` as asked).
@@ -140,6 +147,8 @@ class ShardTensor(torch.Tensor):
                 f"ShardTensor.from_global: the global tensor has shape {tuple(full.shape)} but the plan "
                 f"has {ctx.n_global} atoms; pass one row per atom in global-ID order"
             )
+        if positions and check and hasattr(plan, "reference_positions") and full.shape == (ctx.n_global, 3):
+            full = _at_plan_image(plan, full)
         ids = torch.as_tensor(ctx.owned_ids(), device=full.device)
         local = full.index_select(0, ids)
         if layout == "halo":
@@ -350,3 +359,14 @@ def marshal_call(fn: Any, args: tuple, kwargs: dict) -> Any:
     out = fn(*local_args, **local_kwargs)
     with torch._C.DisableTorchFunctionSubclass():
         return _rewrap(out, metas) if metas else out
+
+
+def _at_plan_image(plan: Any, full: torch.Tensor) -> torch.Tensor:
+    """Global positions checked against `plan` (`layout.displacement`) and moved to its periodic images."""
+    from ..layout.displacement import checked_positions
+
+    host = full.detach().cpu()  # its own width: rounding the plan's positions to it is no move
+    host = (host if host.dtype in (torch.float16, torch.float32, torch.float64) else host.float()).numpy()
+    fix = "plan = plan.rebuild(positions) and make the ShardTensors from the new plan (or check=False)"
+    shift = host - checked_positions(plan, host, "ShardTensor.from_global(positions=True)", fix)
+    return full if not shift.any() else full - torch.as_tensor(shift, dtype=full.dtype, device=full.device)

@@ -59,7 +59,9 @@ def test_a_nan_position_into_a_compiled_program_is_refused_with_the_atom():
     assert np.isfinite(float(cs.call(adapter, cs.owned(pos, positions=True), mask, oc)))
     bad = pos.copy()
     bad[[13, 2], 1] = np.nan
-    x = cs.owned(bad, positions=True)  # placed on the mesh: the check is one device reduction
+    with pytest.raises(NonFiniteError, match=r"CompiledSpec.owned\(positions=True\): positions of atoms \[2, 13\]"):
+        cs.owned(bad, positions=True)     # checked on the host where they are placed
+    x = cs.owned(bad, positions=True, check=False)  # placed unchecked: call's check is one device reduction
     with pytest.raises(NonFiniteError, match=r"CompiledSpec.call: adapter .* argument 0 \('pos'\): positions of atoms "
                                              r"\[2, 13\] are not finite \(NaN or inf\)"):
         cs.call(adapter, x, mask, oc)
