@@ -37,7 +37,11 @@ def nonfinite_rows(x: Any) -> np.ndarray:
     if isinstance(x, jax.Array):
         if not jnp.issubdtype(x.dtype, jnp.inexact) or bool(jnp.all(jnp.isfinite(x))):
             return np.zeros(0, dtype=np.int64)
-        x = np.asarray(x)  # the error path only: find the rows on the host
+        if not x.is_fully_addressable:  # the error path only: find the rows on the host (every process's)
+            from jax.experimental import multihost_utils
+
+            x = multihost_utils.process_allgather(x, tiled=True)
+        x = np.asarray(x)
     a = np.asarray(x)
     if a.dtype.kind not in "fc":
         return np.zeros(0, dtype=np.int64)
