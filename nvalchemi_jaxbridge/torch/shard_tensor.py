@@ -257,12 +257,16 @@ class ShardTensor(torch.Tensor):
             metas = list(_metas(args, kwargs))
             rows = next((m for m, _ in metas if m.layout != "replicated"), None)
             verdict = meaning.RUN if rows is None else meaning.classify(func, args, kwargs, _is_rows)
+            at = "" if rows is None else meaning.where(args, kwargs, _is_rows)
             if verdict.action == "refuse":
-                meaning.refuse(func, rows.layout, rows.context.rank, verdict.why, verdict.hint)
+                meaning.refuse(func, rows.layout, rows.context.rank, verdict.why, verdict.hint,
+                               aten=meaning.aten_name(func, verdict), family=verdict.family, at=at)
             if verdict.action == "owned_sum":
                 return reductions.owned_sum(func, args, kwargs, rows)
             if verdict.action == "index_sum":
                 return reductions.index_sum(func, args, kwargs, rows)
+            if verdict.args is not None:  # the layout's meaning of the call (x.squeeze(): not the atom dim)
+                args, kwargs = verdict.args, verdict.kwargs or {}
             out = func(*args, **kwargs)
             if func in _NO_WRAP or not metas:
                 return out
@@ -272,7 +276,7 @@ class ShardTensor(torch.Tensor):
             out = _rewrap(out, metas, _ids(args, kwargs))
             if rows is not None and not verdict.plain_ok:
                 lead = next(s[0] for m, s in metas if m.layout != "replicated" and s)
-                meaning.check_kept(func, out, rows.layout, rows.context.rank, lead, verdict, _is_marked)
+                meaning.check_kept(func, out, rows.layout, rows.context.rank, lead, verdict, _is_marked, at)
             return out
 
 

@@ -45,9 +45,10 @@ def x(plan, values) -> ShardTensor:
 
 
 def _refused(op: str, layout: str) -> str:
-    """The pattern every refusal matches: the op, the layout, then the fixes."""
-    return (rf"^{re.escape(op)} on a ShardTensor with layout '{layout}' \(rank 0\) .*not known.*"
-            r"nvalchemi_jaxbridge\.mlip.*OpAdapter.*\.system_sum\(\).*\.to_local\(\)")
+    """The pattern every refusal matches: the op and its dispatcher name, the layout, the argument, then the fixes."""
+    return (rf"^{re.escape(op)} \((aten|jbtest)::\w+\) on a ShardTensor with layout '{layout}' "
+            r"\(rank 0(, argument \S+ of shape \([\d, ]*\))?\) .*not known.*"
+            r"nvalchemi_jaxbridge\.mlip.*OpAdapter.*\.system_sum\(\).*\.full_tensor\(\).*\.to_local\(\)")
 
 
 def test_the_test_block_has_ghost_rows(h):
@@ -124,7 +125,7 @@ def test_the_error_says_why_for_each_family_and_survives_binary_operators(h):
         h[IDX]
     with pytest.raises(ShardTensorMeaningError, match=r"a per-rank partial, not the global value.*x\.full_tensor\(\)"):
         h.tolist()
-    with pytest.raises(ShardTensorMeaningError, match=r"gives a result of shape \(132,\), which leaves the row layout"):
+    with pytest.raises(ShardTensorMeaningError, match=r"reshape \(aten::reshape\).*merges or splits the atom dimension"):
         h.reshape(-1)
     assert issubclass(ShardTensorMeaningError, RuntimeError)  # torch turns a TypeError in `@` into NotImplemented
     with pytest.raises(ShardTensorMeaningError, match=_refused("torch.Tensor.matmul", "halo")):
@@ -149,7 +150,10 @@ def test_basic_slicing_exactly_the_owned_rows_is_an_owned_block(plan, values, h)
     n = h.n_owned
     owned = h[:n]
     assert isinstance(owned, ShardTensor) and owned.layout == "owned" and owned.shape[0] == n
-    assert type(h[:3]) is torch.Tensor and type(h[0]) is torch.Tensor and type(h[2:n]) is torch.Tensor
+    for subset, aten in ((lambda: h[:3], "slice"), (lambda: h[0], "select"), (lambda: h[2:n], "slice"),
+                         (lambda: h[::2], "slice")):  # a subset of atom rows is no layout: refused, not plain
+        with pytest.raises(ShardTensorMeaningError, match=rf"\(aten::{aten}\).*(subset of the atom rows|one atom row)"):
+            subset()
     assert h[: h.shape[0]].layout == "halo" and h[:n, 0].layout == "owned"
     pos = ShardTensor.from_global(torch.tensor(model.system(N, BOX, 1)), plan, layout="halo", positions=True)
     assert type(pos[:n]) is torch.Tensor  # owned rows of halo positions are in the wrapped frame
