@@ -12,6 +12,8 @@ silently gives a per-rank answer. `classify` sorts a call into one of:
   (`check_kept`) unless the verdict says a plain result is fine (`plain_ok`).
 - `"owned_sum"`: a sum over the atom dimension; the policy's meaning is the
   owned rows summed on each rank, then an all-reduce (a replicated result).
+- `"owned_mean"`: `mean` over dims that include the atom dimension: the owned
+  sum, all-reduced, divided by the job's count (`n_global` atoms).
 - `"index_sum"`: `index_add(_)` / `scatter_add(_)` of a row-layout source into
   another row space (e.g. `n_systems` rows): the same, per target row.
 - `"refuse"`: `refuse` raises `ShardTensorMeaningError` naming the op (its
@@ -35,7 +37,7 @@ from . import meaning_rules as R
 from . import op_catalogue as C
 from .meaning_verdict import (
     HINT_CUSTOM, HINT_HOST, HINT_PAIRS, HINT_SUM, PLAIN, RUN, WHY_ALONG, WHY_CUSTOM, WHY_HOST, WHY_MOVE,
-    WHY_PAIRS, WHY_REDUCE, WHY_UNKNOWN, Verdict, refused,
+    WHY_PAIRS, WHY_REDUCE, WHY_UNKNOWN, WHY_VMAP, Verdict, refused,
 )
 
 
@@ -95,6 +97,8 @@ def classify(func: Any, args: tuple, kwargs: dict, rows: Callable[[Any], bool]) 
     name = short_name(func)
     if name is None:
         return dataclasses.replace(refused(WHY_CUSTOM, HINT_CUSTOM), family="custom ops")
+    if _under_vmap() and name not in C.QUERIES:
+        return dataclasses.replace(refused(WHY_VMAP, HINT_PAIRS), family="anything else")
     verdict = _classify(name, args, kwargs, rows)
     return dataclasses.replace(verdict, family=C.family(name).key) if verdict.action == "refuse" else verdict
 
@@ -106,10 +110,12 @@ def _classify(name: str, args: tuple, kwargs: dict, rows: Callable[[Any], bool])
     any_rows = self_rows or any(rows(a) for a in R.flat(args, kwargs))
     if name in C.HOST:
         return refused(WHY_HOST, HINT_HOST) if any_rows else RUN
-    if name in C.QUERIES:
+    if name in C.QUERIES or name.startswith("is_"):  # is_nonzero is a host read, caught above
         return PLAIN
     if name in C.FACTORIES:
         return refused(R.WHY_PLAIN_OUT, HINT_HOST) if any(rows(a) for a in args[1:]) else PLAIN
+    if name == "mean" and self_rows and R.touches_rows(R.arg(args, kwargs, 1, ("dim", "axis")), ndim):
+        return Verdict("owned_mean")  # the owned sum, all-reduced, over the job's count
     if name in C.SUM and self_rows:
         return Verdict("owned_sum") if R.touches_rows(R.arg(args, kwargs, 1, ("dim", "axis")), ndim) else RUN
     if name in C.REDUCE and self_rows:
@@ -152,6 +158,14 @@ def _classify(name: str, args: tuple, kwargs: dict, rows: Callable[[Any], bool])
     if op in C.POINTWISE:
         return R.pointwise(op, args, kwargs, rows)
     return refused(WHY_UNKNOWN, HINT_PAIRS) if any_rows else RUN
+
+
+def _under_vmap() -> bool:
+    """Whether a `torch.vmap` transform is active: it maps over rows, hiding a block's atom dimension."""
+    if torch._C._functorch.maybe_current_level() is None:
+        return False
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    return any(i.key() == torch._C._functorch.TransformType.Vmap for i in stack)
 
 
 def _n_owned(x: Any) -> int | None:

@@ -10,7 +10,7 @@ from typing import Any
 class Verdict:
     """What to do with one call (see `meaning.py`).
 
-    `action`: "run", "owned_sum", "index_sum" or "refuse". For "run", `args` /
+    `action`: "run", "owned_sum", "owned_mean", "index_sum" or "refuse". For "run", `args` /
     `kwargs` (when not None) replace the call's (the layout's meaning of the op),
     and a result that leaves the row layout is refused after the call unless
     `plain_ok`. `why`, `hint`, `aten` and `family` word the refusal.
@@ -49,6 +49,8 @@ WHY_HOST = "reads this rank's block as a Python or host value: a per-rank partia
 WHY_CUSTOM = "is a custom op with no OpAdapter installed, so how its rows cross ranks is not declared"
 WHY_UNKNOWN = ("is not in the catalogue of ops known to keep atom rows apart (default deny: "
                "nvalchemi_jaxbridge/torch/op_catalogue.py)")
+WHY_VMAP = ("runs under torch.vmap, which maps over rows of the block: the atom dimension is hidden in the "
+            "batch dimension, so rows meet rows of this rank's block only")
 HINT_SUM = "for a sum over atoms use x.sum(0) or x.system_sum(); "
 HINT_SYSTEMS = "for a per-system sum use x.system_sum(batch, n_systems=...); "
 HINT_HOST = "x.full_tensor() gives the global array (a collective), x.to_local() this rank's block; "

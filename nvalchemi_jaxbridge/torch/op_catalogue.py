@@ -87,10 +87,10 @@ _ELEMENTWISE_EXTRA = {  # elementwise too, but not tagged pointwise by torch (al
 
 POINTWISE = _aten_pointwise() | frozenset(_ELEMENTWISE_EXTRA) - {"max", "min"}  # max/min: see REDUCE
 
-SUM = frozenset({"sum", "nansum"})
+SUM = frozenset({"sum", "nansum", "mean"})
 # reductions: name -> (position of `dim` counting self as 0, its default); None = all dims
 REDUCE = {n: (1, None) for n in (
-    "mean", "nanmean", "prod", "amax", "amin", "argmax", "argmin", "std", "var", "std_mean", "var_mean",
+    "nanmean", "prod", "amax", "amin", "argmax", "argmin", "std", "var", "std_mean", "var_mean",
     "logsumexp", "all", "any", "count_nonzero", "median", "nanmedian", "max", "min", "aminmax")}
 REDUCE |= {"mode": (1, -1), "norm": (2, None), "vector_norm": (2, None), "linalg_vector_norm": (2, None),
            "linalg_norm": (2, None), "matrix_norm": (2, (-2, -1)), "linalg_matrix_norm": (2, (-2, -1)),
@@ -134,7 +134,8 @@ QUERIES = frozenset({
     "names", "itemsize", "nbytes", "__len__", "__hash__", "output_nr", "retains_grad", "register_hook",
     "retain_grad", "record_stream", "untyped_storage", "_is_view", "dim_order", "__dlpack_device__",
     "register_post_accumulate_grad_hook", "grad", "backward", "__reduce_ex__", "__deepcopy__", "__setstate__",
-    "__repr__", "__format__", "__get__", "__set__", "_typed_storage", "storage", "is_same_size"})
+    "__repr__", "__format__", "__get__", "__set__", "_typed_storage", "storage", "is_same_size", "_base",
+    "_cdata", "_grad", "_grad_fn", "_backward_hooks", "_post_accumulate_grad_hooks", "_is_zerotensor"})
 
 CATALOGUE = (
     Family("queries", QUERIES, "run; the result holds no atom rows (shape, dtype, device, `is_*`, autograd "
@@ -149,10 +150,10 @@ CATALOGUE = (
     Family("slicing", frozenset({"__getitem__"}), "`x[:, ...]` keeps the layout; `x[:x.n_owned]` is an "
            "'owned' block; `torch.cat([x, pad])` adds pad rows", "a subset of atom rows: `x[i]`, `x[2:5]`, "
            "`x[idx]`, `x[mask]`"),
-    Family("sum over atoms", SUM, "owned rows summed on each rank, then an all-reduce (a replicated result); "
-           "over other dims row-local", ""),
+    Family("sum over atoms", SUM, "owned rows summed on each rank, then an all-reduce (a replicated result; "
+           "`mean` divides by the job's count); over other dims row-local", ""),
     Family("other reductions", frozenset(REDUCE), "row-local over dims other than 0", "the reduction includes "
-           "dim 0: `x.mean(0)`, `x.max()`, `x.norm()`, `torch.logsumexp(x, 0)`"),
+           "dim 0: `x.max()`, `x.norm()`, `torch.logsumexp(x, 0)`"),
     Family("along dim", frozenset(ALONG), "row-local along dims other than 0", "along dim 0: `sort`, "
            "`cumsum`, `roll`, `flip`, `softmax`, `diff`"),
     Family("products", MATMUL | NORMS | BATCHED_MATRIX, "row-local when the block's atom dimension stays the "

@@ -11,6 +11,7 @@ size. These are collectives: every rank must make the same call.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -43,6 +44,24 @@ def owned_sum(func: Any, args: tuple, kwargs: dict, meta: Any) -> Any:
     with torch._C.DisableTorchFunctionSubclass():
         part = func(_local(args[0])[: ctx.n_owned], *args[1:], **kwargs)
     return _replicated(ctx, part, meta.spec)
+
+
+def owned_mean(func: Any, args: tuple, kwargs: dict, meta: Any) -> Any:
+    """`mean` over dims that include the atom dimension: the owned sum, all-reduced, over the global count.
+
+    The count is the job's atoms (`n_global`, ghost and pad rows not counted) times
+    the sizes of the other reduced dims; the gradient of each owned entry is 1/count.
+    """
+    from .meaning_rules import arg, dims
+
+    ctx, x = meta.context, args[0]
+    reduced = dims(arg(args, kwargs, 1, ("dim", "axis")), x.ndim)
+    rest = range(1, x.ndim) if reduced is None else sorted(reduced - {0})
+    count = ctx.n_global * math.prod(x.shape[d] for d in rest)
+    total = owned_sum(torch.sum, args, kwargs, meta)
+    with torch._C.DisableTorchFunctionSubclass():
+        out = total.to_local() / count
+    return type(total)._wrap(out, total._jb)
 
 
 def index_sum(func: Any, args: tuple, kwargs: dict, meta: Any) -> Any:

@@ -263,6 +263,8 @@ class ShardTensor(torch.Tensor):
                                aten=meaning.aten_name(func, verdict), family=verdict.family, at=at)
             if verdict.action == "owned_sum":
                 return reductions.owned_sum(func, args, kwargs, rows)
+            if verdict.action == "owned_mean":
+                return reductions.owned_mean(func, args, kwargs, rows)
             if verdict.action == "index_sum":
                 return reductions.index_sum(func, args, kwargs, rows)
             if verdict.args is not None:  # the layout's meaning of the call (x.squeeze(): not the atom dim)

@@ -58,7 +58,7 @@ def test_the_test_block_has_ghost_rows(h):
 IDX = torch.tensor([0, 1, 1, 3, 5])
 REFUSED = {
     # reductions over atoms other than a sum
-    "mean": (lambda t: t.mean(), "torch.Tensor.mean"),
+    "nanmean": (lambda t: t.nanmean(), "torch.Tensor.nanmean"),
     "amax0": (lambda t: t.amax(0), "torch.Tensor.amax"),
     "max": (lambda t: torch.max(t), "torch.max"),
     "max0": (lambda t: t.max(dim=0), "torch.Tensor.max"),
@@ -118,14 +118,14 @@ def test_ops_without_a_known_meaning_raise_naming_op_layout_and_fix(case, layout
 
 def test_the_error_says_why_for_each_family_and_survives_binary_operators(h):
     with pytest.raises(ShardTensorMeaningError, match=r"reduces over the atom dimension \(dim 0\).*x\.sum\(0\)"):
-        h.mean(0)
+        h.std(0)
     with pytest.raises(ShardTensorMeaningError, match=r"accumulates into this rank's atom rows by index; whether"):
         torch.zeros_like(h).index_add_(0, IDX, torch.ones(5, 3, dtype=h.dtype))
     with pytest.raises(ShardTensorMeaningError, match=r"gathers rows with an index tensor; the result leaves"):
         h[IDX]
     with pytest.raises(ShardTensorMeaningError, match=r"a per-rank partial, not the global value.*x\.full_tensor\(\)"):
         h.tolist()
-    with pytest.raises(ShardTensorMeaningError, match=r"reshape \(aten::reshape\).*merges or splits the atom dimension"):
+    with pytest.raises(ShardTensorMeaningError, match=r"reshape \(aten::reshape\).*merges or splits the atom dim"):
         h.reshape(-1)
     assert issubclass(ShardTensorMeaningError, RuntimeError)  # torch turns a TypeError in `@` into NotImplemented
     with pytest.raises(ShardTensorMeaningError, match=_refused("torch.Tensor.matmul", "halo")):
@@ -178,6 +178,23 @@ def test_sum_over_atoms_is_owned_rows_then_all_reduce_with_unit_gradient(form, h
     grad = h.grad.to_local().numpy()
     np.testing.assert_array_equal(grad[: h.n_owned], 1.0)  # exactly one: identity adjoint, not W
     np.testing.assert_array_equal(grad[h.n_owned:], 0.0)
+
+
+@pytest.mark.parametrize("form", ["mean()", "mean(0)", "mean((0, 1))", "torch.mean(dim=0, keepdim=True)"])
+def test_mean_over_atoms_is_the_owned_sum_over_the_job_count(form, h, values):
+    f = {"mean()": lambda t: t.mean(), "mean(0)": lambda t: t.mean(0), "mean((0, 1))": lambda t: t.mean((0, 1)),
+         "torch.mean(dim=0, keepdim=True)": lambda t: torch.mean(t, dim=0, keepdim=True)}[form]
+    want = {"mean()": values.mean(), "mean(0)": values.mean(0), "mean((0, 1))": values.mean(),
+            "torch.mean(dim=0, keepdim=True)": values.mean(0, keepdims=True)}[form]
+    got = f(h)
+    assert isinstance(got, ShardTensor) and got.layout == "replicated" and got.shape == np.shape(want)
+    np.testing.assert_allclose(got.to_local().detach().numpy(), want, rtol=1e-12)  # ghosts not counted
+    got.sum().backward()
+    per = values.size if form in ("mean()", "mean((0, 1))") else values.shape[0]
+    grad = h.grad.to_local().numpy()
+    np.testing.assert_allclose(grad[: h.n_owned], 1.0 / per, rtol=1e-14)
+    np.testing.assert_array_equal(grad[h.n_owned:], 0.0)
+    assert h.mean(-1).layout == "halo"  # over features: row by row
 
 
 def test_sum_over_features_only_is_row_wise(h):

@@ -51,7 +51,8 @@ def test_dense_pair_models_raise_naming_the_op_never_a_wrong_energy(name, layout
     x = _block(plan, pos, layout, positions=True, requires_grad=True)
     got = pair_models.outcome(name, x)
     assert "raised" in got, f"{name} on {layout} positions returned {got} instead of raising"
-    assert re.match(rf"^torch\.[\w.]+ {ATEN} on a ShardTensor with layout '{layout}' \(rank 0, argument ", got["raised"])
+    head = rf"^torch\.[\w.]+ {ATEN} on a ShardTensor with layout '{layout}' \(rank 0, argument "
+    assert re.match(head, got["raised"]), got["raised"]
     assert "OpAdapter" in got["raised"] and ".full_tensor()" in got["raised"]
 
 
@@ -76,6 +77,27 @@ def test_the_held_out_message_says_which_argument_and_where_the_atoms_went(plan,
         torch.cdist(x, x)
 
 
+def test_wrappers_and_transforms_do_not_hide_the_pairs(plan, pos):
+    x = _block(plan, pos, "halo", positions=True, requires_grad=True)
+    one_row = lambda xi: pair_models._lj(((xi - x) ** 2).sum(-1)).sum()  # noqa: E731 - row i against all rows
+    with pytest.raises(ShardTensorMeaningError, match=r"sub \(aten::sub\).*runs under torch\.vmap"):
+        torch.vmap(one_row)(x)  # vmap hides the atom dimension in its batch dimension
+
+    class Pairs(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, p):
+            return pair_models.DensePairModel()(p)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    for wrapped in (lambda: Pairs.apply(x),
+                    lambda: torch.utils.checkpoint.checkpoint(pair_models.DensePairModel(), x, use_reentrant=False)):
+        with pytest.raises(ShardTensorMeaningError, match=r"__getitem__ \(aten::unsqueeze\)"):
+            wrapped()
+
+
 # ---- one case per family: what runs keeps rows apart, what is refused names the op -----------------
 
 IDX = torch.tensor([0, 2, 2, 5])
@@ -94,18 +116,23 @@ ALLOWED = {  # family -> ops that run on a (rows, 3) block and must keep rows ap
                          lambda t: torch.linalg.vector_norm(t, dim=1)],
     "along dim": [lambda t: torch.softmax(t, -1), lambda t: t.cumsum(1), lambda t: t.sort(dim=1).values,
                   lambda t: torch.linalg.cross(t, t.roll(1, 1))],
-    "products": [lambda t: t @ torch.arange(6.0, dtype=t.dtype).view(3, 2), lambda t: F.linear(t, torch.ones(4, 3, dtype=t.dtype)),
-                 lambda t: t[:, :, None] @ t[:, None, :], lambda t: torch.einsum("ij,jk->ik", t, torch.eye(3, dtype=t.dtype)),
-                 lambda t: F.layer_norm(t, (3,)), lambda t: torch.linalg.det(t[:, :, None] * torch.eye(3, dtype=t.dtype))],
+    "products": [lambda t: t @ torch.arange(6.0, dtype=t.dtype).view(3, 2),
+                 lambda t: F.linear(t, torch.ones(4, 3, dtype=t.dtype)),
+                 lambda t: t[:, :, None] @ t[:, None, :],
+                 lambda t: torch.einsum("ij,jk->ik", t, torch.eye(3, dtype=t.dtype)),
+                 lambda t: F.layer_norm(t, (3,)),
+                 lambda t: torch.linalg.det(t[:, :, None] * torch.eye(3, dtype=t.dtype))],
     "gathers": [lambda t: torch.tensor([[1.0], [2.0], [3.0]], dtype=t.dtype)[(t[:, 0] > 0).long() + 1] * t,
                 lambda t: F.embedding((t[:, 1] > 0).long(), torch.ones(2, 2, dtype=t.dtype)) + t[:, :2],
                 lambda t: t.gather(1, torch.zeros(t.shape[0], 2, dtype=torch.long))],
     "scatters": [lambda t: t.clone().index_copy_(1, torch.tensor([2, 0]), torch.ones(t.shape[0], 2, dtype=t.dtype))],
     "factories": [lambda t: t.new_ones(3) + 0 * t],
 }
+NO_ATOM = torch.zeros((N, 3), dtype=torch.long)
 REFUSED = {  # family -> (op, its aten name, call)
     "queries": [],
-    "elementwise": [("sub", "sub", lambda t: t[:, None] - t), ("add_", "add_", lambda t: torch.zeros(t.shape).add_(t)),
+    "elementwise": [("sub", "sub", lambda t: t[:, None] - t),
+                    ("add_", "add_", lambda t: torch.zeros(t.shape).add_(t)),
                     ("mul", "mul", lambda t: torch.mul(t, 2, out=torch.empty(t.shape)))],
     "reshape": [("unsqueeze", "unsqueeze", lambda t: t.unsqueeze(0)), ("view", "view", lambda t: t.view(1, -1, 3)),
                 ("flatten", "flatten", lambda t: t.flatten()), ("T", "permute", lambda t: t.T),
@@ -115,23 +142,31 @@ REFUSED = {  # family -> (op, its aten name, call)
     "slicing": [("__getitem__", "select", lambda t: t[3]), ("__getitem__", "slice", lambda t: t[1:4]),
                 ("__getitem__", "unsqueeze", lambda t: t[None]), ("__getitem__", "index", lambda t: t[IDX])],
     "sum over atoms": [],
-    "other reductions": [("mean", "mean", lambda t: t.mean(0)), ("logsumexp", "logsumexp", lambda t: torch.logsumexp(t, 0)),
+    "other reductions": [("std", "std", lambda t: t.std(0)),
+                         ("logsumexp", "logsumexp", lambda t: torch.logsumexp(t, 0)),
                          ("vector_norm", "linalg_vector_norm", lambda t: torch.linalg.vector_norm(t))],
     "along dim": [("sort", "sort", lambda t: t.sort(0)), ("cumsum", "cumsum", lambda t: t.cumsum(0)),
                   ("roll", "roll", lambda t: t.roll(1, 0))],
-    "products": [("matmul", "matmul", lambda t: torch.ones(t.shape[0], dtype=t.dtype) @ t), ("outer", "outer", lambda t: torch.outer(t[:, 0], t[:, 1])),
-                 ("einsum", "einsum", lambda t: torch.einsum("id,jd->ij", t, t)), ("layer_norm", "layer_norm", lambda t: F.layer_norm(t, t.shape))],
+    "products": [("matmul", "matmul", lambda t: torch.ones(t.shape[0], dtype=t.dtype) @ t),
+                 ("outer", "outer", lambda t: torch.outer(t[:, 0], t[:, 1])),
+                 ("einsum", "einsum", lambda t: torch.einsum("id,jd->ij", t, t)),
+                 ("layer_norm", "layer_norm", lambda t: F.layer_norm(t, t.shape))],
     "pairs": [("cdist", "cdist", lambda t: torch.cdist(t, t)), ("pdist", "pdist", lambda t: F.pdist(t)),
               ("tensordot", "tensordot", lambda t: torch.tensordot(t, t, dims=([1], [1])))],
-    "gathers": [("index_select", "index_select", lambda t: t.index_select(0, IDX)), ("take", "take", lambda t: torch.take(t, IDX)),
+    "gathers": [("index_select", "index_select", lambda t: t.index_select(0, IDX)),
+                ("take", "take", lambda t: torch.take(t, IDX)),
                 ("embedding", "embedding", lambda t: F.embedding(IDX, t))],
-    "per-system sums": [("index_add_", "index_add_", lambda t: torch.zeros_like(t).index_add_(0, IDX, torch.ones(4, 3)))],
-    "scatters": [("scatter_reduce", "scatter_reduce", lambda t: torch.zeros(2, 3).scatter_reduce(0, torch.zeros_like(t, dtype=torch.long), t, "amax"))],
-    "host reads": [("tolist", "_local_scalar_dense", lambda t: t.tolist()), ("equal", "equal", lambda t: torch.equal(t, t))],
+    "per-system sums": [("index_add_", "index_add_",
+                         lambda t: torch.zeros_like(t).index_add_(0, IDX, torch.ones(4, 3)))],
+    "scatters": [("scatter_reduce", "scatter_reduce",
+                  lambda t: torch.zeros(2, 3).scatter_reduce(0, NO_ATOM[: t.shape[0]], t, "amax"))],
+    "host reads": [("tolist", "_local_scalar_dense", lambda t: t.tolist()),
+                   ("equal", "equal", lambda t: torch.equal(t, t))],
     "factories": [("new_tensor", "_to_copy", lambda t: t.new_tensor(t))],
     "custom ops": [("jbtest.system_sum", "jbtest::system_sum", lambda t: torch.ops.jbtest.system_sum(t))],
     "anything else": [("as_strided", "as_strided", lambda t: t.as_strided((2, 2), (1, 1))),
-                      ("pad", "pad", lambda t: F.pad(t, (0, 0, 1, 0))), ("fft", "fft_fft", lambda t: torch.fft.fft(t, dim=0))],
+                      ("pad", "pad", lambda t: F.pad(t, (0, 0, 1, 0))),
+                      ("fft", "fft_fft", lambda t: torch.fft.fft(t, dim=0))],
 }
 
 
