@@ -218,8 +218,7 @@ def where(args: tuple, kwargs: dict, rows: Callable[[Any], bool]) -> str:
     for key, a in [*enumerate(args), *kwargs.items()]:
         for sub, b in ([(f"[{i}]", b) for i, b in enumerate(a)] if isinstance(a, (list, tuple)) else [("", a)]):
             if rows(b):
-                label = f"argument {key}{sub}" if isinstance(key, int) else f"argument {key}={sub}"
-                return f", {label} of shape {tuple(b.shape)}"
+                return f", argument {key}{sub} of shape {tuple(b.shape)}"
     return ""
 
 

@@ -153,8 +153,8 @@ def reshape(name: str, args: tuple, kwargs: dict, rows: Rows) -> Verdict:
         return RUN if sizes[0] in (-1, n) else refused(WHY_SPREAD, HINT_VIEW)
     if name in ("repeat", "tile"):
         reps = _size_args(args, kwargs, ("repeats", "sizes", "dims"))
-        if len(reps) > nd:
-            return refused(WHY_NEW_DIM, HINT_VIEW)
+        if len(reps) > nd or not reps:
+            return refused(WHY_NEW_DIM, HINT_VIEW) if reps else RUN
         return RUN if len(reps) < nd and name == "tile" or reps[0] == 1 else refused(
             "repeats the atom rows along dim 0", HINT_VIEW)
     if name == "repeat_interleave":

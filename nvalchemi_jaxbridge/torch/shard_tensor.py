@@ -9,12 +9,14 @@ Layouts (rows of the local block, for this rank of the plan):
 
 Ordinary torch ops see a plain tensor; a result keeps the metadata of the first
 ShardTensor argument whose leading dimension it shares (row-wise ops). On an
-"owned" / "halo" block, an op without a known distributed meaning raises
-`ShardTensorMeaningError`, and a sum over atoms means owned rows, then an
+"owned" / "halo" block only the ops of the catalogue run (`op_catalogue.py`,
+default deny): an op that would mix rows of the block (pair, gather, reduce or
+reorder them, move or merge the atom dimension) raises `ShardTensorMeaningError`
+before it runs, and a sum or mean over atoms means owned rows, then an
 all-reduce (a replicated result): see `meaning.py` and `ShardTensor.system_sum`.
 `x[:x.n_owned]` is an "owned" block (plain for halo positions, in the wrapped
-frame); other basic slices are plain. `to_local()` / `full_tensor()` are the
-explicit ways out.
+frame); other subsets of rows are refused. `to_local()` / `full_tensor()` are
+the explicit ways out.
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ def main() -> None:
         "scatter_add": lambda h: torch.zeros(N_SYSTEMS, 2, dtype=h.dtype).scatter_add(
             0, batch[:, None].expand(-1, 2), h),
         "system_sum": lambda h: h.system_sum(batch, n_systems=N_SYSTEMS),
+        "mean0": lambda h: h.mean(0),
     }.items():
         h = ShardTensor.from_global(torch.tensor(values()), plan, layout="halo", requires_grad=True)
         total = f(h)

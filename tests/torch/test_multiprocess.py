@@ -224,6 +224,16 @@ def test_sums_over_atoms_equal_numpy_on_every_rank_with_unit_gradient(meaning_ra
         np.testing.assert_array_equal(grad[r["n_owned"]:], 0.0)
 
 
+def test_mean_over_atoms_is_the_global_mean_on_every_rank_with_gradient_one_over_n(meaning_ranks):
+    for r in meaning_ranks:
+        got = r["mean0"]
+        assert got["layout"] == "replicated"
+        np.testing.assert_allclose(got["value"], _values().mean(0), rtol=1e-12, err_msg=f"rank {r['rank']}")
+        grad = np.array(got["grad"])
+        np.testing.assert_allclose(grad[: r["n_owned"]], 1 / 40, rtol=1e-14)  # the job's 40 atoms, not a rank's
+        np.testing.assert_array_equal(grad[r["n_owned"]:], 0.0)
+
+
 def test_naive_model_raises_on_every_rank_naming_the_op(meaning_ranks):
     for r in meaning_ranks:
         assert r["naive"].startswith(f"torch.Tensor.__getitem__ (aten::index) on a ShardTensor with layout 'halo' "
@@ -240,11 +250,13 @@ def test_dense_pair_models_on_two_ranks_raise_or_give_the_single_device_energy(m
     raised = 0
     for key in outcomes[0]:
         name, layout = key.split(":")
-        want = pair_models.reference(pos) if name == "full_tensor" else float(pair_models.MODELS[name](torch.tensor(pos)))
+        single = pair_models.DensePairModel() if name == "full_tensor" else pair_models.MODELS[name]
+        want = float(single(torch.tensor(pos)))  # the model itself on one device, the whole array
         for rank, got in enumerate(o[key] for o in outcomes):
             if "raised" in got:
                 raised += 1
-                assert got["raised"].startswith("torch.") and f"with layout '{layout}' (rank {rank}, argument" in got["raised"]
+                assert got["raised"].startswith("torch."), got["raised"]
+                assert f"layout '{layout}' (rank {rank}, argument" in got["raised"]
                 assert "(aten::" in got["raised"] and "OpAdapter" in got["raised"], got["raised"]
             else:
                 np.testing.assert_allclose(got["energy"], want, rtol=1e-13, err_msg=f"{key} on rank {rank}")
