@@ -238,7 +238,7 @@ STEPS = [lambda t: t[:, None], lambda t: t.unsqueeze(-1), lambda t: t.unsqueeze(
          lambda t: t.cumsum(-1), lambda t: torch.cat([t, t], 0), lambda t: torch.cat([t, t], -1),
          lambda t: t.roll(1, -1), lambda t: t.roll(1), lambda t: t.exp(), lambda t: t @ t.mT if t.ndim > 2 else t,
          lambda t: t.mT @ t if t.ndim > 2 else t, lambda t: t.repeat(1, *([2] * (t.ndim - 1))),
-         lambda t: t.repeat(2, *([1] * (t.ndim - 1))), lambda t: t[1:], lambda t: t[::-1] if False else t.flip(0),
+         lambda t: t.repeat(2, *([1] * (t.ndim - 1))), lambda t: t[1:], lambda t: t.flip(0),
          lambda t: t.flip(-1), lambda t: t.amax(-1), lambda t: t.amax(0), lambda t: torch.stack([t, t], 1)]
 
 
@@ -249,8 +249,7 @@ def test_random_chains_either_raise_or_keep_rows_apart(plan, chain, layout, seed
     def f(t):
         for i in chain:
             t = STEPS[i](t)
-            if t.numel() > 10**5:
-                raise hypothesis.errors.UnsatisfiedAssumption()
+            hypothesis.assume(t.numel() <= 10**5)
         return t
 
     try:
