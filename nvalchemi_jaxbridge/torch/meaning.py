@@ -14,6 +14,8 @@ silently gives a per-rank answer. `classify` sorts a call into one of:
   owned rows summed on each rank, then an all-reduce (a replicated result).
 - `"owned_mean"`: `mean` over dims that include the atom dimension: the owned
   sum, all-reduced, divided by the job's count (`n_global` atoms).
+- `"owned_all_any"`: `all` / `any` over the atom dimension: owned rows counted,
+  the counts all-reduced.
 - `"index_sum"`: `index_add(_)` / `scatter_add(_)` of a row-layout source into
   another row space (e.g. `n_systems` rows): the same, per target row.
 - `"refuse"`: `refuse` raises `ShardTensorMeaningError` naming the op (its
@@ -116,12 +118,14 @@ def _classify(name: str, args: tuple, kwargs: dict, rows: Callable[[Any], bool])
         return refused(R.WHY_PLAIN_OUT, HINT_HOST) if any(rows(a) for a in args[1:]) else PLAIN
     if name == "mean" and self_rows and R.touches_rows(R.arg(args, kwargs, 1, ("dim", "axis")), ndim):
         return Verdict("owned_mean")  # the owned sum, all-reduced, over the job's count
+    if name in ("all", "any") and self_rows and R.touches_rows(R.arg(args, kwargs, 1, ("dim", "axis")), ndim):
+        return Verdict("owned_all_any")  # counts of the deciding entries, all-reduced
     if name in C.SUM and self_rows:
         return Verdict("owned_sum") if R.touches_rows(R.arg(args, kwargs, 1, ("dim", "axis")), ndim) else RUN
+    if name in ("max", "min") and isinstance(R.arg(args, kwargs, 1, ("other",)), torch.Tensor):
+        return R.pointwise(name, args, kwargs, rows)  # elementwise maximum / minimum
     if name in C.REDUCE and self_rows:
         pos, default = C.REDUCE[name]
-        if name in ("max", "min") and isinstance(R.arg(args, kwargs, 1, ("other",)), torch.Tensor):
-            return R.pointwise(name, args, kwargs, rows)  # elementwise maximum / minimum
         if R.touches_rows(R.arg(args, kwargs, pos, ("dim", "axis"), default), ndim):
             return refused(WHY_REDUCE, HINT_SUM)
         return RUN

@@ -10,7 +10,8 @@ from typing import Any
 class Verdict:
     """What to do with one call (see `meaning.py`).
 
-    `action`: "run", "owned_sum", "owned_mean", "index_sum" or "refuse". For "run", `args` /
+    `action`: "run", "owned_sum", "owned_mean", "owned_all_any", "index_sum" or
+    "refuse". For "run", `args` /
     `kwargs` (when not None) replace the call's (the layout's meaning of the op),
     and a result that leaves the row layout is refused after the call unless
     `plain_ok`. `why`, `hint`, `aten` and `family` word the refusal.

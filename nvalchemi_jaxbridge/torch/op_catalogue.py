@@ -87,11 +87,11 @@ _ELEMENTWISE_EXTRA = {  # elementwise too, but not tagged pointwise by torch (al
 
 POINTWISE = _aten_pointwise() | frozenset(_ELEMENTWISE_EXTRA) - {"max", "min"}  # max/min: see REDUCE
 
-SUM = frozenset({"sum", "nansum", "mean"})
+SUM = frozenset({"sum", "nansum", "mean", "all", "any"})
 # reductions: name -> (position of `dim` counting self as 0, its default); None = all dims
 REDUCE = {n: (1, None) for n in (
     "nanmean", "prod", "amax", "amin", "argmax", "argmin", "std", "var", "std_mean", "var_mean",
-    "logsumexp", "all", "any", "count_nonzero", "median", "nanmedian", "max", "min", "aminmax")}
+    "logsumexp", "count_nonzero", "median", "nanmedian", "max", "min", "aminmax")}
 REDUCE |= {"mode": (1, -1), "norm": (2, None), "vector_norm": (2, None), "linalg_vector_norm": (2, None),
            "linalg_norm": (2, None), "matrix_norm": (2, (-2, -1)), "linalg_matrix_norm": (2, (-2, -1)),
            "quantile": (2, None), "nanquantile": (2, None), "kthvalue": (2, -1), "topk": (2, -1)}
@@ -151,7 +151,7 @@ CATALOGUE = (
            "'owned' block; `torch.cat([x, pad])` adds pad rows", "a subset of atom rows: `x[i]`, `x[2:5]`, "
            "`x[idx]`, `x[mask]`"),
     Family("sum over atoms", SUM, "owned rows summed on each rank, then an all-reduce (a replicated result; "
-           "`mean` divides by the job's count); over other dims row-local", ""),
+           "`mean` divides by the job's count, `all` / `any` count deciding entries); over other dims row-local", ""),
     Family("other reductions", frozenset(REDUCE), "row-local over dims other than 0", "the reduction includes "
            "dim 0: `x.max()`, `x.norm()`, `torch.logsumexp(x, 0)`"),
     Family("along dim", frozenset(ALONG), "row-local along dims other than 0", "along dim 0: `sort`, "

@@ -64,6 +64,25 @@ def owned_mean(func: Any, args: tuple, kwargs: dict, meta: Any) -> Any:
     return type(total)._wrap(out, total._jb)
 
 
+def owned_all_any(func: Any, args: tuple, kwargs: dict, meta: Any) -> Any:
+    """`all` / `any` over dims that include the atom dimension: owned rows counted, the counts all-reduced.
+
+    `all` holds where no owned entry of any rank is zero, `any` where one is not;
+    the result is a replicated bool ShardTensor.
+    """
+    from .meaning import short_name
+
+    ctx, name = meta.context, short_name(func)
+    with torch._C.DisableTorchFunctionSubclass():
+        owned = _local(args[0])[: ctx.n_owned]
+        odd = (owned == 0) if name == "all" else (owned != 0)  # the entries that decide
+        part = torch.sum(odd, *args[1:], **kwargs, dtype=torch.int32)
+    total = _replicated(ctx, part, meta.spec)
+    with torch._C.DisableTorchFunctionSubclass():
+        out = total.to_local() == 0 if name == "all" else total.to_local() > 0
+    return type(total)._wrap(out, total._jb)
+
+
 def index_sum(func: Any, args: tuple, kwargs: dict, meta: Any) -> Any:
     """`acc.index_add_(0, index, src)` / `scatter_add(_)` of a row-layout `src` into another row space.
 

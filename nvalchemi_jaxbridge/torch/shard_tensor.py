@@ -267,6 +267,8 @@ class ShardTensor(torch.Tensor):
                 return reductions.owned_sum(func, args, kwargs, rows)
             if verdict.action == "owned_mean":
                 return reductions.owned_mean(func, args, kwargs, rows)
+            if verdict.action == "owned_all_any":
+                return reductions.owned_all_any(func, args, kwargs, rows)
             if verdict.action == "index_sum":
                 return reductions.index_sum(func, args, kwargs, rows)
             if verdict.args is not None:  # the layout's meaning of the call (x.squeeze(): not the atom dim)

@@ -71,6 +71,11 @@ def main() -> None:
         total = f(h)
         total.sum().backward()  # every rank, on the same replicated value
         res[name] = {"value": local(total), "layout": total.layout, "grad": local(h.grad)}
+    g = ShardTensor.from_global(torch.tensor(values()), plan, layout="halo").detach().to_local().clone()
+    g[int(plan.n_owned[rank]):] = 0.0  # ghost rows that disagree with their owners must not decide
+    g = ShardTensor.from_local(g, plan, layout="halo")
+    res["all_any"] = {"all": local(g.all()), "any0": local((g == 0).any()), "any_gt1_0": local((g > 1).any(0)),
+                      "all_gt_m1_0": local((g > -1).all(0))}
     xp = ShardTensor.from_global(torch.tensor(pos), plan, layout="halo", positions=True)
     xh = ShardTensor.from_global(torch.tensor(values()), plan, layout="halo")
     edges = torch.tensor(np.array([[i, (i + 1) % n_pad] for i in range(n_pad)]).T)

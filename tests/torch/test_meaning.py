@@ -197,6 +197,19 @@ def test_mean_over_atoms_is_the_owned_sum_over_the_job_count(form, h, values):
     assert h.mean(-1).layout == "halo"  # over features: row by row
 
 
+def test_all_and_any_over_atoms_count_owned_rows_of_every_rank(plan, h, values):
+    local = h.detach().to_local().clone()
+    local[h.n_owned:] = 0.0  # ghost rows that disagree with their owners: they must not decide
+    g = ShardTensor.from_local(local, plan, layout="halo")
+    for got, want in ((g.all(), np.all(values != 0)), ((g == 0).any(), False), ((g > 1).any(), np.any(values > 1)),
+                      (torch.all(g > -1, dim=0), np.all(values > -1, axis=0)), ((g > 1).any(0, keepdim=True),
+                                                                                np.any(values > 1, 0, keepdims=True))):
+        assert isinstance(got, ShardTensor) and got.layout == "replicated" and got.dtype == torch.bool
+        np.testing.assert_array_equal(got.to_local().numpy(), want)
+    assert bool(g.all()) is True  # a replicated value: a host read is fine
+    assert (g > 0).all(-1).layout == "halo"  # over features: row by row
+
+
 def test_sum_over_features_only_is_row_wise(h):
     s = h.sum(-1)
     assert s.layout == "halo" and s.shape == (h.shape[0],)

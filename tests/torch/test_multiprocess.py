@@ -234,6 +234,14 @@ def test_mean_over_atoms_is_the_global_mean_on_every_rank_with_gradient_one_over
         np.testing.assert_array_equal(grad[r["n_owned"]:], 0.0)
 
 
+def test_all_and_any_over_atoms_are_the_global_answers_on_every_rank(meaning_ranks):
+    v = _values()
+    want = {"all": bool(np.all(v != 0)), "any0": False, "any_gt1_0": np.any(v > 1, 0).tolist(),
+            "all_gt_m1_0": np.all(v > -1, 0).tolist()}
+    for r in meaning_ranks:
+        assert r["all_any"] == want, f"rank {r['rank']}"  # ghost rows were zeroed: they do not decide
+
+
 def test_naive_model_raises_on_every_rank_naming_the_op(meaning_ranks):
     for r in meaning_ranks:
         assert r["naive"].startswith(f"torch.Tensor.__getitem__ (aten::index) on a ShardTensor with layout 'halo' "
