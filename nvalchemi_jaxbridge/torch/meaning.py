@@ -1,25 +1,30 @@
 """What a torch op means for a ShardTensor in a row layout ("owned" or "halo"): pure classification.
 
 A block in a row layout holds this rank's rows of a distributed per-atom tensor
-(owned rows, then ghost copies of other ranks' atoms, then pad rows). Most torch
-ops act row by row and mean the same on the block as on the whole array; some
-do not, and running them on the block silently gives a per-rank answer (a sum
-that counts ghost rows, a scatter that mixes them into owned rows). `classify`
-sorts a call into one of:
+(owned rows, then ghost copies of other ranks' atoms, then pad rows), the atom
+dimension first. Run on the block, an op that keeps every row to itself means
+the same as on the whole array; one that mixes rows (pairs them, gathers them by
+index, reduces or reorders along them, moves or merges the atom dimension)
+silently gives a per-rank answer. `classify` sorts a call into one of:
 
-- `"run"`: row-wise, or not about the rows at all; run it on the block. The
-  result keeps the layout if it keeps the leading dimension; a result that
-  leaves the row layout is refused after the call (`leaves_layout`) unless the
-  verdict says a plain result is fine (`plain_ok`: basic slicing, `new_*`).
+- `"run"`: row-local, or not about the rows at all; run it on the block. The
+  result keeps the layout; a result that leaves it is refused after the call
+  (`check_kept`) unless the verdict says a plain result is fine (`plain_ok`).
 - `"owned_sum"`: a sum over the atom dimension; the policy's meaning is the
   owned rows summed on each rank, then an all-reduce (a replicated result).
+- `"owned_mean"`: `mean` over dims that include the atom dimension: the owned
+  sum, all-reduced, divided by the job's count (`n_global` atoms).
+- `"owned_all_any"`: `all` / `any` over the atom dimension: owned rows counted,
+  the counts all-reduced.
 - `"index_sum"`: `index_add(_)` / `scatter_add(_)` of a row-layout source into
   another row space (e.g. `n_systems` rows): the same, per target row.
-- `"refuse"`: no known distributed meaning; `refuse` raises
-  `ShardTensorMeaningError` naming the op, the layout and the fix.
+- `"refuse"`: `refuse` raises `ShardTensorMeaningError` naming the op (its
+  Python and aten names), the argument, the layout and the fix.
 
-Replicated ShardTensors are never classified: they hold the same value on every
-rank, so plain torch semantics are already the global ones.
+Default deny: an op in no family of `op_catalogue.CATALOGUE` is refused, and so
+is a custom op without an installed adapter. The families' conditions are in
+`meaning_rules`. Replicated ShardTensors are never classified: they hold the
+same value on every rank, so plain torch semantics are already the global ones.
 """
 
 from __future__ import annotations
@@ -30,6 +35,13 @@ from typing import Any
 
 import torch
 
+from . import meaning_rules as R
+from . import op_catalogue as C
+from .meaning_verdict import (
+    HINT_CUSTOM, HINT_HOST, HINT_PAIRS, HINT_SUM, PLAIN, RUN, WHY_ALONG, WHY_CUSTOM, WHY_HOST, WHY_MOVE,
+    WHY_PAIRS, WHY_REDUCE, WHY_UNKNOWN, WHY_VMAP, Verdict, refused,
+)
+
 
 class ShardTensorMeaningError(RuntimeError):
     """A ShardTensor in a row layout met an op whose distributed meaning is not known.
@@ -38,66 +50,6 @@ class ShardTensorMeaningError(RuntimeError):
     binary operator (`a @ b`, `a + b`) into `NotImplemented`, and Python then
     reports only "unsupported operand type(s)", losing the message.
     """
-
-
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    """What to do with one call (see the module docstring)."""
-
-    action: str  # "run", "owned_sum", "index_sum", "refuse"
-    why: str = ""  # for "refuse", and for "run" results that leave the row layout
-    hint: str = ""  # the family's own fix, said before the general ones
-    plain_ok: bool = False  # "run": a result that leaves the row layout is returned as a plain tensor
-
-
-RUN = Verdict("run")
-_PLAIN = Verdict("run", plain_ok=True)
-
-# ---- the op families ---------------------------------------------------------------
-
-_SUM = {"sum", "nansum"}
-# reductions: name -> (position of `dim` counting self as 0, its default); None = all dims
-_REDUCE = {n: (1, None) for n in (
-    "mean", "nanmean", "prod", "amax", "amin", "argmax", "argmin", "std", "var", "std_mean", "var_mean",
-    "logsumexp", "all", "any", "count_nonzero", "median", "nanmedian", "max", "min", "aminmax")}
-_REDUCE |= {"mode": (1, -1), "norm": (2, None), "vector_norm": (2, None), "matrix_norm": (2, (-2, -1)),
-            "quantile": (2, None), "nanquantile": (2, None), "kthvalue": (2, -1), "topk": (2, -1)}
-_WHOLE = {"dist", "trace", "allclose", "equal", "unique", "unique_consecutive", "nonzero",
-          "argwhere", "masked_select", "take", "histc", "histogram", "histogramdd", "kron", "tensordot",
-          "addbmm", "chain_matmul", "multi_dot"}
-# shape-preserving ops that mix rows along `dim`: name -> (position, default)
-_ALONG = {n: (1, None) for n in ("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "softmax",
-                                 "log_softmax", "softmin", "flip")}
-_ALONG |= {"sort": (1, -1), "argsort": (1, -1), "diff": (2, -1), "normalize": (2, 1), "renorm": (2, None),
-           "roll": (2, None), "msort": (None, 0), "flipud": (None, 0), "take_along_dim": (2, None)}
-_TRANSPOSE = {"T", "H", "t", "t_", "mT", "mH", "adjoint", "transpose", "transpose_", "swapaxes", "swapaxes_",
-              "swapdims", "swapdims_", "permute", "movedim", "moveaxis", "rot90"}
-_MATMUL = {"matmul", "__matmul__", "__rmatmul__", "mm", "mv", "bmm", "addmm", "addmv", "baddbmm", "dot",
-           "vdot", "inner", "outer", "ger", "linear", "einsum"}
-_INDEX_SUM = {"index_add", "index_add_", "scatter_add", "scatter_add_"}
-_SCATTER_REDUCE = {"scatter_reduce", "scatter_reduce_", "index_reduce", "index_reduce_", "bincount",
-                   "segment_reduce", "_segment_reduce"}
-_SCATTER_COPY = {"index_copy", "index_copy_", "scatter", "scatter_", "index_put", "index_put_", "put",
-                 "put_", "masked_scatter", "masked_scatter_"}
-_GATHER = {"__getitem__", "index_select", "gather", "embedding"}
-_HOST = {"item", "tolist", "numpy", "__array__", "__float__", "__int__", "__index__", "__complex__",
-         "__bool__", "__contains__", "is_nonzero"}
-_FACTORIES = {"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "new_empty_strided"}
-_NOT_CHECKED = {"grad", "backward", "__reduce_ex__", "__deepcopy__", "__setstate__", "__repr__", "__format__"}
-
-_WHY_REDUCE = "reduces over the atom dimension (dim 0)"
-_WHY_CONTRACT = "contracts the atom dimension (dim 0)"
-_WHY_ALONG = "mixes rows along the atom dimension (dim 0)"
-_WHY_MOVE = "moves the atom dimension away from dim 0"
-_WHY_SCATTER_IN = ("accumulates into this rank's atom rows by index; whether partials on ghost rows must "
-                   "be folded into their owners is not known")
-_WHY_SCATTER_OUT = "scatters atom rows by index into another row space, where ghost rows would count again"
-_WHY_GATHER = ("gathers rows with an index tensor; the result leaves the row layout, so its ghost rows "
-               "can no longer be told apart from owned rows")
-_WHY_HOST = "reads this rank's block as a Python or host value: a per-rank partial, not the global value"
-_HINT_SUM = "for a sum over atoms use x.sum(0) or x.system_sum(); "
-_HINT_SYSTEMS = "for a per-system sum use x.system_sum(batch, n_systems=...); "
-_HINT_HOST = "x.full_tensor() gives the global array (a collective), x.to_local() this rank's block; "
 
 
 def short_name(func: Any) -> str | None:
@@ -130,79 +82,117 @@ def op_name(func: Any) -> str:
     return resolved or getattr(func, "__qualname__", None) or repr(func)
 
 
-def _arg(args: tuple, kwargs: dict, pos: int | None, names: tuple[str, ...], default: Any = None) -> Any:
-    """An argument by position (self is 0) or by one of its keyword names."""
-    for n in names:
-        if n in kwargs:
-            return kwargs[n]
-    return args[pos] if pos is not None and pos < len(args) else default
-
-
-def _dims(d: Any, ndim: int) -> set[int] | None:
-    """Normalized dims of a `dim` argument; None means all dims."""
-    if d is None or (isinstance(d, (list, tuple)) and len(d) == 0):
-        return None
-    ds = d if isinstance(d, (list, tuple)) else (d,)
-    if not all(isinstance(v, int) for v in ds):
-        return set()  # named dims or the like: not about dim 0 as far as we can tell
-    n = max(ndim, 1)
-    return {v % n for v in ds}
-
-
-def _touches_rows(d: Any, ndim: int) -> bool:
-    """Whether a `dim` argument includes the atom dimension."""
-    dims = _dims(d, ndim)
-    return dims is None or 0 in dims
+def aten_name(func: Any, verdict: Verdict | None = None) -> str:
+    """The op's dispatcher name for the message: `aten::cdist`, `jbtest::system_sum`, or a note that it has none."""
+    if verdict is not None and verdict.aten:
+        return verdict.aten
+    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        packet = func.overloadpacket if isinstance(func, torch._ops.OpOverload) else func
+        return packet._qualified_op_name
+    name = short_name(func) or ""
+    name = C.ATEN_OF.get(name, C.DUNDER.get(name, name))
+    return f"aten::{name}" if name and hasattr(torch.ops.aten, name) else "no single aten op"
 
 
 def classify(func: Any, args: tuple, kwargs: dict, rows: Callable[[Any], bool]) -> Verdict:
     """The verdict for `func(*args, **kwargs)`; `rows(a)` says whether `a` is a row-layout ShardTensor."""
     name = short_name(func)
-    if name is None or name in _NOT_CHECKED:
-        return RUN if name is None else _PLAIN
+    if name is None:
+        return dataclasses.replace(refused(WHY_CUSTOM, HINT_CUSTOM), family="custom ops")
+    if _under_vmap() and name not in C.QUERIES:
+        return dataclasses.replace(refused(WHY_VMAP, HINT_PAIRS), family="anything else")
+    verdict = _classify(name, args, kwargs, rows)
+    return dataclasses.replace(verdict, family=C.family(name).key) if verdict.action == "refuse" else verdict
+
+
+def _classify(name: str, args: tuple, kwargs: dict, rows: Callable[[Any], bool]) -> Verdict:
     this = args[0] if args else None
     self_rows = rows(this)
     ndim = this.ndim if isinstance(this, torch.Tensor) else 0
-    if name in _HOST:
-        return Verdict("refuse", _WHY_HOST, _HINT_HOST) if self_rows else RUN
-    if name in _FACTORIES:
-        return _PLAIN
-    if name in _SUM and self_rows:
-        return Verdict("owned_sum") if _touches_rows(_arg(args, kwargs, 1, ("dim", "axis")), ndim) else RUN
-    if name in _REDUCE and self_rows:
-        pos, default = _REDUCE[name]
-        if name in ("max", "min") and isinstance(_arg(args, kwargs, 1, ("other",)), torch.Tensor):
-            return RUN  # elementwise maximum / minimum
-        if _touches_rows(_arg(args, kwargs, pos, ("dim", "axis"), default), ndim):
-            return Verdict("refuse", _WHY_REDUCE, _HINT_SUM)
+    any_rows = self_rows or any(rows(a) for a in R.flat(args, kwargs))
+    if name in C.HOST:
+        return refused(WHY_HOST, HINT_HOST) if any_rows else RUN
+    if name in C.QUERIES or name.startswith("is_"):  # is_nonzero is a host read, caught above
+        return PLAIN
+    if name in C.FACTORIES:
+        return refused(R.WHY_PLAIN_OUT, HINT_HOST) if any(rows(a) for a in args[1:]) else PLAIN
+    if name == "mean" and self_rows and R.touches_rows(R.arg(args, kwargs, 1, ("dim", "axis")), ndim):
+        return Verdict("owned_mean")  # the owned sum, all-reduced, over the job's count
+    if name in ("all", "any") and self_rows and R.touches_rows(R.arg(args, kwargs, 1, ("dim", "axis")), ndim):
+        return Verdict("owned_all_any")  # counts of the deciding entries, all-reduced
+    if name in C.SUM and self_rows:
+        return Verdict("owned_sum") if R.touches_rows(R.arg(args, kwargs, 1, ("dim", "axis")), ndim) else RUN
+    if name in ("max", "min") and isinstance(R.arg(args, kwargs, 1, ("other",)), torch.Tensor):
+        return R.pointwise(name, args, kwargs, rows)  # elementwise maximum / minimum
+    if name in C.REDUCE and self_rows:
+        pos, default = C.REDUCE[name]
+        if R.touches_rows(R.arg(args, kwargs, pos, ("dim", "axis"), default), ndim):
+            return refused(WHY_REDUCE, HINT_SUM)
         return RUN
-    if name in _WHOLE and any(rows(a) for a in _flat(args, kwargs)):
-        return Verdict("refuse", _WHY_REDUCE if name not in ("nonzero", "argwhere", "masked_select", "take")
-                       else _WHY_GATHER, _HINT_SUM)
-    if name in _ALONG and self_rows:
-        pos, default = _ALONG[name]
-        d = default if pos is None else _arg(args, kwargs, pos, ("dim", "dims", "axis"), default)
+    if name in ("cross", "linalg_cross", "cosine_similarity"):
+        pos, default = C.ALONG[name]
+        return R.pointwise(name, args, kwargs, rows, dim=R.arg(args, kwargs, pos, ("dim",), default))
+    if name in C.ALONG and any_rows:
+        pos, default = C.ALONG[name]
+        d = default if pos is None else R.arg(args, kwargs, pos, ("dim", "dims", "axis", "dimension"), default)
         if name in ("softmax", "log_softmax", "softmin") and d is None:
             d = 0 if ndim in (0, 1, 3) else 1  # torch's legacy implicit dim
-        return Verdict("refuse", _WHY_ALONG, _HINT_SUM) if _touches_rows(d, ndim) else RUN
-    if name in _TRANSPOSE and self_rows:
-        return Verdict("refuse", _WHY_MOVE) if _moves_rows(name, args, kwargs, ndim) else RUN
-    if name in _MATMUL:
-        return _matmul(name, args, kwargs, rows)
-    if name == "batch_norm" and rows(this):
-        training = _arg(args, kwargs, 5, ("training",), False)
-        if training or _arg(args, kwargs, 1, ("running_mean",)) is None:
-            return Verdict("refuse", "normalizes with statistics over the atom dimension (dim 0)", _HINT_SUM)
-        return RUN
-    if name in _INDEX_SUM or name in _SCATTER_REDUCE or name in _SCATTER_COPY:
-        return _scatter(name, args, kwargs, rows)
-    if name in _GATHER:
-        return _gather(name, args, kwargs, rows)
-    if name == "__setitem__" and not self_rows and len(args) > 2 and rows(args[2]) and _advanced(args[1]):
-        return Verdict("refuse", _WHY_SCATTER_OUT, _HINT_SYSTEMS)  # plain[idx] = x: a scatter of atom rows
-    if name in ("cat", "concat", "concatenate", "stack", "split", "chunk", "unbind", "tensor_split"):
-        return Verdict("run", "joins or splits blocks along the atom dimension (dim 0)")
-    return RUN
+        return refused(WHY_ALONG, HINT_SUM) if R.touches_rows(d, ndim) else RUN
+    if name in C.TRANSPOSE and self_rows:
+        return refused(WHY_MOVE) if R.moves_rows(name, args, kwargs, ndim) else RUN
+    if name in C.PAIRS and any_rows:
+        return refused(WHY_PAIRS, HINT_PAIRS)
+    if name == "__getitem__":
+        return R.getitem(args, rows, _n_owned(this))
+    if name == "__setitem__":
+        return R.setitem(args, rows, _n_owned(this))
+    if name in C.RESHAPE and any_rows:
+        return R.reshape(name, args, kwargs, rows)
+    if name in C.MATMUL and any_rows:
+        return R.matmul(name, args, kwargs, rows)
+    if name in C.BATCHED_MATRIX and any_rows:
+        return RUN if self_rows and ndim >= 3 else refused(R.WHY_MERGE if ndim < 3 else WHY_MOVE, HINT_SUM)
+    if name in C.NORMS and any_rows:
+        return _norm(name, args, kwargs, rows)
+    if name in C.INDEX_SUM or name in C.SCATTER_REDUCE or name in C.SCATTER_COPY:
+        return R.scatter(name, args, kwargs, rows)
+    if name in C.GATHER:
+        return R.gather(name, args, kwargs, rows)
+    op = C.DUNDER.get(name, name)
+    if op in C.POINTWISE:
+        return R.pointwise(op, args, kwargs, rows)
+    return refused(WHY_UNKNOWN, HINT_PAIRS) if any_rows else RUN
+
+
+def _under_vmap() -> bool:
+    """Whether a `torch.vmap` transform is active: it maps over rows, hiding a block's atom dimension."""
+    if torch._C._functorch.maybe_current_level() is None:
+        return False
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    return any(i.key() == torch._C._functorch.TransformType.Vmap for i in stack)
+
+
+def _n_owned(x: Any) -> int | None:
+    """The owned row count of a row-layout ShardTensor (None for anything else)."""
+    meta = getattr(x, "__dict__", {}).get("_jb")
+    return None if meta is None else meta.context.n_owned
+
+
+def _norm(name: str, args: tuple, kwargs: dict, rows: Callable[[Any], bool]) -> Verdict:
+    """Normalization layers: statistics per row are row-local; statistics over rows are not."""
+    this = args[0] if args else None
+    params = [a for a in R.flat(args[1:], kwargs) if isinstance(a, torch.Tensor)]
+    why = "normalizes with statistics over the atom dimension (dim 0)"
+    if any(rows(p) for p in params) or not rows(this):
+        return refused(why, HINT_SUM)
+    if name == "batch_norm":
+        training = R.arg(args, kwargs, 5, ("training",), False)
+        return refused(why, HINT_SUM) if training or R.arg(args, kwargs, 1, ("running_mean",)) is None else RUN
+    if name in ("layer_norm", "rms_norm"):
+        shape = R.arg(args, kwargs, 1, ("normalized_shape",), ())
+        n = 1 if isinstance(shape, int) else len(shape)
+        return refused(why, HINT_SUM) if n >= this.ndim else RUN
+    return RUN if this.ndim >= 2 else refused(why, HINT_SUM)  # group_norm / instance_norm: per sample
 
 
 def leading_block(func: Any, args: tuple, kwargs: dict, rows: Callable[[Any], bool]) -> Any:
@@ -214,158 +204,37 @@ def leading_block(func: Any, args: tuple, kwargs: dict, rows: Callable[[Any], bo
     the result from its row count.
     """
     name = short_name(func)
-    if name == "__getitem__" and len(args) > 1 and rows(args[0]) and not _advanced(args[1]):
+    if name == "__getitem__" and len(args) > 1 and rows(args[0]) and not any(
+            map(R._advanced, args[1] if isinstance(args[1], tuple) else (args[1],))):
         first = args[1][0] if isinstance(args[1], tuple) and args[1] else args[1]
         if isinstance(first, slice) and first.start in (None, 0) and first.step in (None, 1):
             return args[0]
     if name in ("cat", "concat", "concatenate"):
-        ts, dim = _arg(args, kwargs, 0, ("tensors",), ()), _arg(args, kwargs, 1, ("dim", "axis"), 0)
+        ts, dim = R.arg(args, kwargs, 0, ("tensors",), ()), R.arg(args, kwargs, 1, ("dim", "axis"), 0)
         if ts and rows(ts[0]) and ts[0].ndim and isinstance(dim, int) and dim % ts[0].ndim == 0 \
                 and not any(rows(t) for t in ts[1:]):
             return ts[0]
     return None
 
 
-def _flat(args: tuple, kwargs: dict) -> list[Any]:
-    """Arguments, one level into lists and tuples."""
-    out = []
-    for a in (*args, *kwargs.values()):
-        out += list(a) if isinstance(a, (list, tuple)) else [a]
-    return out
-
-
-def _gather(name: str, args: tuple, kwargs: dict, rows: Callable[[Any], bool]) -> Verdict:
-    """Index gathers: refused when they pick rows of a row-layout block by an index tensor.
-
-    Whatever the index's length, its result is a new row space (edges, a
-    subset, a permutation), so the layout no longer describes it.
-    """
-    this = args[0] if args else None
-    refuse = Verdict("refuse", _WHY_GATHER, "take the owned rows with x[:x.n_owned]; ")
-    if name == "__getitem__":
-        key = args[1] if len(args) > 1 else None
-        if not rows(this):
-            return Verdict("run", _WHY_GATHER)  # an index ShardTensor: rows of the result are its rows
-        first = key[0] if isinstance(key, tuple) and key else key
-        if _advanced((first,)):
-            return refuse
-        return Verdict("run", _WHY_GATHER) if _advanced(key) else _PLAIN  # x[:, idx] is row-wise
-    if name == "embedding":
-        return refuse if rows(_arg(args, kwargs, 1, ("weight",))) else RUN
-    if rows(this) and _touches_rows(_arg(args, kwargs, 1, ("dim",), 0), this.ndim):
-        return refuse
-    return Verdict("run", _WHY_GATHER)
-
-
-def _advanced(key: Any) -> bool:
-    """Whether an indexing key holds an index tensor, list or array (advanced indexing)."""
-    keys = key if isinstance(key, tuple) else (key,)
-    return any(isinstance(k, (torch.Tensor, list)) or hasattr(k, "__array__") for k in keys)
-
-
-def _moves_rows(name: str, args: tuple, kwargs: dict, ndim: int) -> bool:
-    """Whether a transpose-like op moves dim 0."""
-    if name in ("T", "H", "t", "t_"):
-        return ndim >= 2
-    if name in ("mT", "mH", "adjoint"):
-        return ndim == 2
-    if name in ("transpose", "transpose_", "swapaxes", "swapaxes_", "swapdims", "swapdims_"):
-        a, b = (_arg(args, kwargs, 1, ("dim0", "axis0")), _arg(args, kwargs, 2, ("dim1", "axis1")))
-        a, b = a % max(ndim, 1), b % max(ndim, 1)
-        return a != b and 0 in (a, b)
-    if name == "permute":
-        dims = args[1:] if len(args) > 2 or not isinstance(args[1] if len(args) > 1 else None, (list, tuple)) \
-            else args[1]
-        dims = kwargs.get("dims", dims)
-        return bool(dims) and dims[0] % max(ndim, 1) != 0
-    if name in ("movedim", "moveaxis"):
-        src = _dims(_arg(args, kwargs, 1, ("source",)), ndim) or set()
-        dst = _dims(_arg(args, kwargs, 2, ("destination",)), ndim) or set()
-        return (0 in src or 0 in dst) and not (src == {0} and dst == {0})
-    if name == "rot90":
-        k, dims = _arg(args, kwargs, 1, ("k",), 1), _arg(args, kwargs, 2, ("dims",), (0, 1))
-        return k % 4 != 0 and 0 in (_dims(dims, ndim) or set())
-    return False
-
-
-def _matmul(name: str, args: tuple, kwargs: dict, rows: Callable[[Any], bool]) -> Verdict:
-    """Products: refused when a row-layout operand's atom dimension is contracted or moved."""
-    refuse = Verdict("refuse", _WHY_CONTRACT, _HINT_SUM)
-    if name == "einsum":
-        return _einsum(args, rows)
-    if name in ("addmm", "addmv", "baddbmm"):
-        a, b = args[1:3] if len(args) >= 3 else (kwargs.get("mat1"), kwargs.get("mat2"))
-        if rows(args[0] if args else None) and not (rows(a) or rows(b)):
-            return RUN
-    elif name == "__rmatmul__":
-        b, a = args[:2]
-    elif name == "linear":
-        a, w = args[0], _arg(args, kwargs, 1, ("weight",))
-        return refuse if rows(w) or (rows(a) and a.ndim == 1) else RUN
-    else:
-        a, b = (args + (None, None))[:2]
-    if rows(a) and (a.ndim == 1 or name in ("dot", "vdot")):
-        return refuse
-    if rows(b) and (b.ndim <= 2 or name in ("dot", "vdot", "inner", "outer", "ger")):
-        return refuse
-    return RUN
-
-
-def _einsum(args: tuple, rows: Callable[[Any], bool]) -> Verdict:
-    """einsum: the index of every row-layout operand's dim 0 must lead the output."""
-    if not args or not isinstance(args[0], str):
-        if any(rows(a) for a in _flat(args, {})):
-            return Verdict("refuse", "is an einsum in sublist form, which is not read here", _HINT_SUM)
-        return RUN
-    ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
-    eq = args[0].replace(" ", "")
-    lhs, arrow, out = eq.partition("->")
-    if not arrow:  # implicit output: the ellipsis, then the indices seen once, sorted
-        letters = [c for c in lhs if c.isalpha()]
-        out = ("..." if "..." in lhs else "") + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
-    for term, op in zip(lhs.split(","), ops):
-        if not rows(op):
-            continue
-        explicit = term.replace("...", "")
-        lead = "..." if term.startswith("...") and op.ndim > len(explicit) else explicit[:1]
-        out_lead = "..." if out.startswith("...") else out[:1]
-        if lead != out_lead:
-            return Verdict("refuse", _WHY_CONTRACT if lead not in out else _WHY_MOVE, _HINT_SUM)
-    return RUN
-
-
-def _scatter(name: str, args: tuple, kwargs: dict, rows: Callable[[Any], bool]) -> Verdict:
-    """Scatter / index reductions: routed (a sum into another row space), row-local, or refused."""
-    this = args[0] if args else None
-    operands = [a for a in _flat(args[1:], kwargs) if isinstance(a, torch.Tensor)]
-    if name in ("bincount", "segment_reduce", "_segment_reduce"):
-        return Verdict("refuse", _WHY_SCATTER_OUT, _HINT_SYSTEMS) if rows(this) or any(map(rows, operands)) \
-            else RUN
-    if name.startswith(("index_put", "put", "masked_scatter")):
-        dim, reduce = 0, bool(_arg(args, kwargs, 3, ("accumulate",), False))
-    else:
-        dim = _arg(args, kwargs, 1, ("dim",), 0)
-        reduce = name not in _SCATTER_COPY or _arg(args, kwargs, 4, ("reduce",)) is not None
-    ndim = this.ndim if isinstance(this, torch.Tensor) else 1
-    if isinstance(dim, int) and dim % max(ndim, 1) != 0:
-        return RUN  # along a feature dimension: row by row
-    if rows(this):
-        return Verdict("refuse", _WHY_SCATTER_IN) if reduce else RUN  # a copy into its own rows is row-local
-    if not any(map(rows, operands)):
-        return RUN
-    if name in _INDEX_SUM and rows(_arg(args, kwargs, 3, ("source", "src"))):
-        return Verdict("index_sum", _WHY_SCATTER_OUT, _HINT_SYSTEMS)
-    return Verdict("refuse", _WHY_SCATTER_OUT, _HINT_SYSTEMS)
+def where(args: tuple, kwargs: dict, rows: Callable[[Any], bool]) -> str:
+    """Which argument is the row block, for the message: ", argument 0 of shape (12, 3)"."""
+    for key, a in [*enumerate(args), *kwargs.items()]:
+        for sub, b in ([(f"[{i}]", b) for i, b in enumerate(a)] if isinstance(a, (list, tuple)) else [("", a)]):
+            if rows(b):
+                return f", argument {key}{sub} of shape {tuple(b.shape)}"
+    return ""
 
 
 def check_kept(func: Any, out: Any, layout: str, rank: int, lead: int, verdict: Verdict,
-               marked: Callable[[torch.Tensor], bool]) -> None:
+               marked: Callable[[torch.Tensor], bool], at: str = "") -> None:
     """Refuse a result tensor that left the row layout (`marked(t)` is False: it got no layout)."""
     for t in _tensors_in(out):
         if not marked(t):
             why = verdict.why or (f"gives a result of shape {tuple(t.shape)}, which leaves the row layout "
                                   f"(the block has {lead} rows)")
-            refuse(func, layout, rank, why, verdict.hint)
+            refuse(func, layout, rank, why, verdict.hint, aten=aten_name(func, verdict),
+                   family=verdict.family or C.family(short_name(func) or "").key, at=at)
 
 
 def _tensors_in(out: Any) -> Any:
@@ -377,13 +246,16 @@ def _tensors_in(out: Any) -> Any:
             yield from _tensors_in(o)
 
 
-def refuse(func: Any, layout: str, rank: int, why: str, hint: str = "") -> None:
-    """Raise the error for a refused call (see `classify`)."""
+def refuse(func: Any, layout: str, rank: int, why: str, hint: str = "", *, aten: str = "", family: str = "",
+           at: str = "") -> None:
+    """Raise the error for a refused call (see `classify`): the op, its aten name, the argument, why, the fix."""
+    fam = f" (op family {family!r} of the catalogue in docs/guide.md)" if family else ""
     raise ShardTensorMeaningError(
-        f"{op_name(func)} on a ShardTensor with layout {layout!r} (rank {rank}) {why}; its distributed "
-        f"meaning is not known, so it is refused rather than computed on this rank's rows. Fix: {hint}"
-        "distribute a message-passing model with the model level (nvalchemi_jaxbridge.mlip), which refreshes "
-        "and folds ghost rows per layer; declare an OpAdapter for an opaque kernel; sum over atoms with "
-        ".system_sum() (owned rows, then an all-reduce); or call .to_local() to take responsibility for the "
-        "ghost rows explicitly"
+        f"{op_name(func)} ({aten or aten_name(func)}) on a ShardTensor with layout {layout!r} (rank {rank}{at}) "
+        f"{why}; its distributed meaning is not known, so it is refused rather than computed on this rank's "
+        f"rows{fam}. Fix: {hint}distribute a message-passing model with the model level (nvalchemi_jaxbridge.mlip), "
+        "which refreshes and folds ghost rows per layer; declare an OpAdapter for an opaque kernel "
+        "(gather_inputs for one that reads its neighbours' rows: a halo); sum over atoms with .system_sum() "
+        "(owned rows, then an all-reduce); take the whole array on every rank with .full_tensor() (a "
+        "collective); or call .to_local() to take responsibility for the ghost rows explicitly"
     )

@@ -11,6 +11,7 @@ size. These are collectives: every rank must make the same call.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -43,6 +44,43 @@ def owned_sum(func: Any, args: tuple, kwargs: dict, meta: Any) -> Any:
     with torch._C.DisableTorchFunctionSubclass():
         part = func(_local(args[0])[: ctx.n_owned], *args[1:], **kwargs)
     return _replicated(ctx, part, meta.spec)
+
+
+def owned_mean(func: Any, args: tuple, kwargs: dict, meta: Any) -> Any:
+    """`mean` over dims that include the atom dimension: the owned sum, all-reduced, over the global count.
+
+    The count is the job's atoms (`n_global`, ghost and pad rows not counted) times
+    the sizes of the other reduced dims; the gradient of each owned entry is 1/count.
+    """
+    from .meaning_rules import arg, dims
+
+    ctx, x = meta.context, args[0]
+    reduced = dims(arg(args, kwargs, 1, ("dim", "axis")), x.ndim)
+    rest = range(1, x.ndim) if reduced is None else sorted(reduced - {0})
+    count = ctx.n_global * math.prod(x.shape[d] for d in rest)
+    total = owned_sum(torch.sum, args, kwargs, meta)
+    with torch._C.DisableTorchFunctionSubclass():
+        out = total.to_local() / count
+    return type(total)._wrap(out, total._jb)
+
+
+def owned_all_any(func: Any, args: tuple, kwargs: dict, meta: Any) -> Any:
+    """`all` / `any` over dims that include the atom dimension: owned rows counted, the counts all-reduced.
+
+    `all` holds where no owned entry of any rank is zero, `any` where one is not;
+    the result is a replicated bool ShardTensor.
+    """
+    from .meaning import short_name
+
+    ctx, name = meta.context, short_name(func)
+    with torch._C.DisableTorchFunctionSubclass():
+        owned = _local(args[0])[: ctx.n_owned]
+        odd = (owned == 0) if name == "all" else (owned != 0)  # the entries that decide
+        part = torch.sum(odd, *args[1:], **kwargs, dtype=torch.int32)
+    total = _replicated(ctx, part, meta.spec)
+    with torch._C.DisableTorchFunctionSubclass():
+        out = total.to_local() == 0 if name == "all" else total.to_local() > 0
+    return type(total)._wrap(out, total._jb)
 
 
 def index_sum(func: Any, args: tuple, kwargs: dict, meta: Any) -> Any:

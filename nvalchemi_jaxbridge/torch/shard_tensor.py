@@ -9,12 +9,14 @@ Layouts (rows of the local block, for this rank of the plan):
 
 Ordinary torch ops see a plain tensor; a result keeps the metadata of the first
 ShardTensor argument whose leading dimension it shares (row-wise ops). On an
-"owned" / "halo" block, an op without a known distributed meaning raises
-`ShardTensorMeaningError`, and a sum over atoms means owned rows, then an
+"owned" / "halo" block only the ops of the catalogue run (`op_catalogue.py`,
+default deny): an op that would mix rows of the block (pair, gather, reduce or
+reorder them, move or merge the atom dimension) raises `ShardTensorMeaningError`
+before it runs, and a sum or mean over atoms means owned rows, then an
 all-reduce (a replicated result): see `meaning.py` and `ShardTensor.system_sum`.
 `x[:x.n_owned]` is an "owned" block (plain for halo positions, in the wrapped
-frame); other basic slices are plain. `to_local()` / `full_tensor()` are the
-explicit ways out.
+frame); other subsets of rows are refused. `to_local()` / `full_tensor()` are
+the explicit ways out.
 """
 
 from __future__ import annotations
@@ -266,12 +268,20 @@ class ShardTensor(torch.Tensor):
             metas = list(_metas(args, kwargs))
             rows = next((m for m, _ in metas if m.layout != "replicated"), None)
             verdict = meaning.RUN if rows is None else meaning.classify(func, args, kwargs, _is_rows)
+            at = "" if rows is None else meaning.where(args, kwargs, _is_rows)
             if verdict.action == "refuse":
-                meaning.refuse(func, rows.layout, rows.context.rank, verdict.why, verdict.hint)
+                meaning.refuse(func, rows.layout, rows.context.rank, verdict.why, verdict.hint,
+                               aten=meaning.aten_name(func, verdict), family=verdict.family, at=at)
             if verdict.action == "owned_sum":
                 return reductions.owned_sum(func, args, kwargs, rows)
+            if verdict.action == "owned_mean":
+                return reductions.owned_mean(func, args, kwargs, rows)
+            if verdict.action == "owned_all_any":
+                return reductions.owned_all_any(func, args, kwargs, rows)
             if verdict.action == "index_sum":
                 return reductions.index_sum(func, args, kwargs, rows)
+            if verdict.args is not None:  # the layout's meaning of the call (x.squeeze(): not the atom dim)
+                args, kwargs = verdict.args, verdict.kwargs or {}
             out = func(*args, **kwargs)
             if func in _NO_WRAP or not metas:
                 return out
@@ -281,7 +291,7 @@ class ShardTensor(torch.Tensor):
             out = _rewrap(out, metas, _ids(args, kwargs))
             if rows is not None and not verdict.plain_ok:
                 lead = next(s[0] for m, s in metas if m.layout != "replicated" and s)
-                meaning.check_kept(func, out, rows.layout, rows.context.rank, lead, verdict, _is_marked)
+                meaning.check_kept(func, out, rows.layout, rows.context.rank, lead, verdict, _is_marked, at)
             return out
 
 

@@ -8,7 +8,7 @@ import torch
 
 from nvalchemi_jaxbridge.layout import HaloPlan
 from nvalchemi_jaxbridge.spec import AdapterRegistry, DistributionSpec, HaloStoragePolicy, OpAdapter
-from nvalchemi_jaxbridge.torch import ShardTensor, installed, list_handlers
+from nvalchemi_jaxbridge.torch import ShardTensor, ShardTensorMeaningError, installed, list_handlers
 from tests.torch import model  # noqa: F401  (registers the jbtest ops)
 
 
@@ -48,7 +48,10 @@ def test_both_call_forms_reach_the_handler_above_autograd(x, plan):
         for op in (torch.ops.jbtest.twice, torch.ops.jbtest.twice.default):
             y = op(x, x)
             assert y.shape == (n_pad,) and y.layout == "halo"
-    assert torch.ops.jbtest.twice(x, x).shape == (12,)  # restored: plain torch again
+    # restored: no adapter declares how the custom op's rows cross ranks, so it is refused (default deny)
+    with pytest.raises(ShardTensorMeaningError, match=r"jbtest\.twice \(jbtest::twice\).*no OpAdapter installed"):
+        torch.ops.jbtest.twice(x, x)
+    assert torch.ops.jbtest.twice(x.to_local(), x.to_local()).shape == (12,)  # plain blocks: plain torch
 
 
 def test_keyword_arguments_are_found_by_schema_name(x, plan):

@@ -45,9 +45,10 @@ def x(plan, values) -> ShardTensor:
 
 
 def _refused(op: str, layout: str) -> str:
-    """The pattern every refusal matches: the op, the layout, then the fixes."""
-    return (rf"^{re.escape(op)} on a ShardTensor with layout '{layout}' \(rank 0\) .*not known.*"
-            r"nvalchemi_jaxbridge\.mlip.*OpAdapter.*\.system_sum\(\).*\.to_local\(\)")
+    """The pattern every refusal matches: the op and its dispatcher name, the layout, the argument, then the fixes."""
+    return (rf"^{re.escape(op)} \((aten|jbtest)::\w+\) on a ShardTensor with layout '{layout}' "
+            r"\(rank 0(, argument \S+ of shape \([\d, ]*\))?\) .*not known.*"
+            r"nvalchemi_jaxbridge\.mlip.*OpAdapter.*\.system_sum\(\).*\.full_tensor\(\).*\.to_local\(\)")
 
 
 def test_the_test_block_has_ghost_rows(h):
@@ -57,7 +58,7 @@ def test_the_test_block_has_ghost_rows(h):
 IDX = torch.tensor([0, 1, 1, 3, 5])
 REFUSED = {
     # reductions over atoms other than a sum
-    "mean": (lambda t: t.mean(), "torch.Tensor.mean"),
+    "nanmean": (lambda t: t.nanmean(), "torch.Tensor.nanmean"),
     "amax0": (lambda t: t.amax(0), "torch.Tensor.amax"),
     "max": (lambda t: torch.max(t), "torch.max"),
     "max0": (lambda t: t.max(dim=0), "torch.Tensor.max"),
@@ -117,14 +118,14 @@ def test_ops_without_a_known_meaning_raise_naming_op_layout_and_fix(case, layout
 
 def test_the_error_says_why_for_each_family_and_survives_binary_operators(h):
     with pytest.raises(ShardTensorMeaningError, match=r"reduces over the atom dimension \(dim 0\).*x\.sum\(0\)"):
-        h.mean(0)
+        h.std(0)
     with pytest.raises(ShardTensorMeaningError, match=r"accumulates into this rank's atom rows by index; whether"):
         torch.zeros_like(h).index_add_(0, IDX, torch.ones(5, 3, dtype=h.dtype))
     with pytest.raises(ShardTensorMeaningError, match=r"gathers rows with an index tensor; the result leaves"):
         h[IDX]
     with pytest.raises(ShardTensorMeaningError, match=r"a per-rank partial, not the global value.*x\.full_tensor\(\)"):
         h.tolist()
-    with pytest.raises(ShardTensorMeaningError, match=r"gives a result of shape \(132,\), which leaves the row layout"):
+    with pytest.raises(ShardTensorMeaningError, match=r"reshape \(aten::reshape\).*merges or splits the atom dim"):
         h.reshape(-1)
     assert issubclass(ShardTensorMeaningError, RuntimeError)  # torch turns a TypeError in `@` into NotImplemented
     with pytest.raises(ShardTensorMeaningError, match=_refused("torch.Tensor.matmul", "halo")):
@@ -149,7 +150,10 @@ def test_basic_slicing_exactly_the_owned_rows_is_an_owned_block(plan, values, h)
     n = h.n_owned
     owned = h[:n]
     assert isinstance(owned, ShardTensor) and owned.layout == "owned" and owned.shape[0] == n
-    assert type(h[:3]) is torch.Tensor and type(h[0]) is torch.Tensor and type(h[2:n]) is torch.Tensor
+    for subset, aten in ((lambda: h[:3], "slice"), (lambda: h[0], "select"), (lambda: h[2:n], "slice"),
+                         (lambda: h[::2], "slice")):  # a subset of atom rows is no layout: refused, not plain
+        with pytest.raises(ShardTensorMeaningError, match=rf"\(aten::{aten}\).*(subset of the atom rows|one atom row)"):
+            subset()
     assert h[: h.shape[0]].layout == "halo" and h[:n, 0].layout == "owned"
     pos = ShardTensor.from_global(torch.tensor(model.system(N, BOX, 1)), plan, layout="halo", positions=True)
     assert type(pos[:n]) is torch.Tensor  # owned rows of halo positions are in the wrapped frame
@@ -174,6 +178,36 @@ def test_sum_over_atoms_is_owned_rows_then_all_reduce_with_unit_gradient(form, h
     grad = h.grad.to_local().numpy()
     np.testing.assert_array_equal(grad[: h.n_owned], 1.0)  # exactly one: identity adjoint, not W
     np.testing.assert_array_equal(grad[h.n_owned:], 0.0)
+
+
+@pytest.mark.parametrize("form", ["mean()", "mean(0)", "mean((0, 1))", "torch.mean(dim=0, keepdim=True)"])
+def test_mean_over_atoms_is_the_owned_sum_over_the_job_count(form, h, values):
+    f = {"mean()": lambda t: t.mean(), "mean(0)": lambda t: t.mean(0), "mean((0, 1))": lambda t: t.mean((0, 1)),
+         "torch.mean(dim=0, keepdim=True)": lambda t: torch.mean(t, dim=0, keepdim=True)}[form]
+    want = {"mean()": values.mean(), "mean(0)": values.mean(0), "mean((0, 1))": values.mean(),
+            "torch.mean(dim=0, keepdim=True)": values.mean(0, keepdims=True)}[form]
+    got = f(h)
+    assert isinstance(got, ShardTensor) and got.layout == "replicated" and got.shape == np.shape(want)
+    np.testing.assert_allclose(got.to_local().detach().numpy(), want, rtol=1e-12)  # ghosts not counted
+    got.sum().backward()
+    per = values.size if form in ("mean()", "mean((0, 1))") else values.shape[0]
+    grad = h.grad.to_local().numpy()
+    np.testing.assert_allclose(grad[: h.n_owned], 1.0 / per, rtol=1e-14)
+    np.testing.assert_array_equal(grad[h.n_owned:], 0.0)
+    assert h.mean(-1).layout == "halo"  # over features: row by row
+
+
+def test_all_and_any_over_atoms_count_owned_rows_of_every_rank(plan, h, values):
+    local = h.detach().to_local().clone()
+    local[h.n_owned:] = 0.0  # ghost rows that disagree with their owners: they must not decide
+    g = ShardTensor.from_local(local, plan, layout="halo")
+    for got, want in ((g.all(), np.all(values != 0)), ((g == 0).any(), False), ((g > 1).any(), np.any(values > 1)),
+                      (torch.all(g > -1, dim=0), np.all(values > -1, axis=0)), ((g > 1).any(0, keepdim=True),
+                                                                                np.any(values > 1, 0, keepdims=True))):
+        assert isinstance(got, ShardTensor) and got.layout == "replicated" and got.dtype == torch.bool
+        np.testing.assert_array_equal(got.to_local().numpy(), want)
+    assert bool(g.all()) is True  # a replicated value: a host read is fine
+    assert (g > 0).all(-1).layout == "halo"  # over features: row by row
 
 
 def test_sum_over_features_only_is_row_wise(h):

@@ -16,9 +16,10 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from tests._launch import front_door_run, read_ranks
-from tests.torch import model
+from tests.torch import model, pair_models
 
 BOX, N, SEED, FEAT = 7.0, 40, 3, 2  # exchange_worker.py's
 
@@ -223,7 +224,48 @@ def test_sums_over_atoms_equal_numpy_on_every_rank_with_unit_gradient(meaning_ra
         np.testing.assert_array_equal(grad[r["n_owned"]:], 0.0)
 
 
+def test_mean_over_atoms_is_the_global_mean_on_every_rank_with_gradient_one_over_n(meaning_ranks):
+    for r in meaning_ranks:
+        got = r["mean0"]
+        assert got["layout"] == "replicated"
+        np.testing.assert_allclose(got["value"], _values().mean(0), rtol=1e-12, err_msg=f"rank {r['rank']}")
+        grad = np.array(got["grad"])
+        np.testing.assert_allclose(grad[: r["n_owned"]], 1 / 40, rtol=1e-14)  # the job's 40 atoms, not a rank's
+        np.testing.assert_array_equal(grad[r["n_owned"]:], 0.0)
+
+
+def test_all_and_any_over_atoms_are_the_global_answers_on_every_rank(meaning_ranks):
+    v = _values()
+    want = {"all": bool(np.all(v != 0)), "any0": False, "any_gt1_0": np.any(v > 1, 0).tolist(),
+            "all_gt_m1_0": np.all(v > -1, 0).tolist()}
+    for r in meaning_ranks:
+        assert r["all_any"] == want, f"rank {r['rank']}"  # ghost rows were zeroed: they do not decide
+
+
 def test_naive_model_raises_on_every_rank_naming_the_op(meaning_ranks):
     for r in meaning_ranks:
-        assert r["naive"].startswith(f"torch.Tensor.__getitem__ on a ShardTensor with layout 'halo' (rank {r['rank']})")
+        assert r["naive"].startswith(f"torch.Tensor.__getitem__ (aten::index) on a ShardTensor with layout 'halo' "
+                                     f"(rank {r['rank']}, argument 0 of shape")
         assert "nvalchemi_jaxbridge.mlip" in r["naive"] and ".to_local()" in r["naive"]
+
+
+def test_dense_pair_models_on_two_ranks_raise_or_give_the_single_device_energy(meaning_ranks):
+    # The held-out case: every pair of the tensor it is given, masked at the cutoff, summed, fed the positions'
+    # ShardTensor. Before the catalogue, 'broadcast' returned a per-rank energy on both ranks with no error.
+    pos = model.system(40, 7.0, 3)  # meaning_worker.py's system
+    outcomes = [r["pairs"] for r in meaning_ranks]
+    assert outcomes[0].keys() == outcomes[1].keys() and len(outcomes[0]) == 2 * len(pair_models.MODELS) + 2
+    raised = 0
+    for key in outcomes[0]:
+        name, layout = key.split(":")
+        single = pair_models.DensePairModel() if name == "full_tensor" else pair_models.MODELS[name]
+        want = float(single(torch.tensor(pos)))  # the model itself on one device, the whole array
+        for rank, got in enumerate(o[key] for o in outcomes):
+            if "raised" in got:
+                raised += 1
+                assert got["raised"].startswith("torch."), got["raised"]
+                assert f"layout '{layout}' (rank {rank}, argument" in got["raised"]
+                assert "(aten::" in got["raised"] and "OpAdapter" in got["raised"], got["raised"]
+            else:
+                np.testing.assert_allclose(got["energy"], want, rtol=1e-13, err_msg=f"{key} on rank {rank}")
+    assert raised == 2 * 2 * len(pair_models.MODELS)  # every dense pair model raised on both ranks
