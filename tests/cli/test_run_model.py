@@ -57,7 +57,7 @@ def test_mpnn_run_matches_an_independent_single_device_reference(tmp_path, capsy
     assert "8+" in out or "9+" in out  # owned+ghost printed per device
     assert f"exchange     {exchange}" in out and "result       ok" in out
     # the NVE run: energies at steps 0, 2, 4; finite, and moving (the structure is rattled)
-    e = {int(k): v for k, v in rep["nve_energy"].items()}
+    e = dict(zip(rep["md_steps"], rep["potential_energy_eV"]))
     assert sorted(e) == [0, 2, 4] and np.all(np.isfinite(list(e.values()))) and e[4] != e[0]
     np.testing.assert_allclose(e[0], want["energy"], rtol=1e-10)
 
