@@ -64,6 +64,13 @@ class _StdoutFilter(io.TextIOBase):
     def isatty(self) -> bool:
         return self.out.isatty()
 
+    def fileno(self) -> int:  # what writes to the descriptor itself bypasses the filter, as it bypasses print
+        return self.out.fileno()
+
+    @property
+    def encoding(self) -> str | None:  # type: ignore[override]
+        return getattr(self.out, "encoding", None)
+
 
 @contextlib.contextmanager
 def cli_output(verbose: bool) -> Iterator[None]:
