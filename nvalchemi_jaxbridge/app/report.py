@@ -193,8 +193,9 @@ def format_run(report: Any) -> str:
         + (f", {r.call_path} call path" if r.call_path != "-" else "") + ")",
         f"  devices      {r.n_devices} x {r.platform}, domain grid {r.grid}, {r.dtype}",
         f"  dynamics     {r.steps} steps of {r.dt_fs:g} fs, {r.thermostat}",
-        f"  time         {1e3 * r.time_per_step_s:.2f} ms/step (first step with compile: {r.compile_s:.1f} s; "
-        f"wall {r.wall_s:.1f} s)",
+        f"  time         {1e3 * r.time_per_step_s:.2f} ms/step "
+        + ("(one step: compilation included; " if r.steps_done <= 1 else "(")
+        + f"first step with compile: {r.compile_s:.1f} s; wall {r.wall_s:.1f} s)",
         f"  energy       E0 = {r.energy_per_atom_eV[0]:.6f} eV/atom; "
         + ("drift" if r.thermostat.startswith("NVE") else "change (a thermostat exchanges energy: not a drift)")
         + f" max|E(t)-E(0)|/N = {r.energy_change_max_eV_per_atom:.3e} eV/atom, fit slope "

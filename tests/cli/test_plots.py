@@ -57,3 +57,13 @@ def test_the_demo_runs_series_is_its_report_per_step_in_ps():
     e_kin = (s.total - s.potential) * r.n_atoms  # E_tot - E_pot is the kinetic energy, which T measures
     np.testing.assert_allclose(s.temperature, 2 * e_kin / ((3 * r.n_atoms - 3) * KB_EV), rtol=1e-9)
     assert s.bath_K == 60.0 and s.rebuilds_ps == tuple(k * r.dt_fs * 1e-3 for k in r.rebuilds)
+    # the text report of the same run: figures labelled as the final plan's; a one-step time says it compiled
+    import dataclasses
+    import re
+
+    from nvalchemi_jaxbridge.app.report import format_run
+
+    text = format_run(r)
+    assert "halo         final plan: " in text and "balance      final plan: " in text
+    one = format_run(dataclasses.replace(r, steps_done=1))
+    assert "ms/step (one step: compilation included;" in one and not re.search(r"\bnan\b", one, re.I)
