@@ -96,7 +96,8 @@ def _run_model(args: argparse.Namespace) -> int:
         check_every=args.check_every, dtype=args.dtype, rtol=args.rtol, langevin=args.langevin,
         trajectory=args.trajectory, thermo=args.thermo, **given,
     )
-    result = _with_progress(args, config.steps, "layout", lambda progress: model_run.run_model(config, progress=progress))
+    result = _with_progress(args, config.steps, "layout",
+                            lambda progress: model_run.run_model(config, progress=progress))
     print(report.format_model_run(result))
     _write_json(args, result)
     _plot(args, result)

@@ -137,8 +137,9 @@ def md(model: DistributedMLIP, positions: Any, velocities: Any, masses: Any, num
         frames_every: with `on_frame`: a check also ends at every multiple of this many steps (of each,
             for several).
         on_frame: called as `on_frame(step, frame)` at step 0, every multiple of `frames_every`, and the
-            last step (the one `stop_when` ended the run at, too); `frame` holds `positions`, `velocities`, `forces` (global order, numpy),
-            `energy` and `kinetic` (eV).
+            last step (the one `stop_when` ended the run at, too); `frame` holds `positions`,
+            `velocities`, `forces` (global order, numpy), `energy` and `kinetic` (eV). Each interval
+            that does not divide `check_every` adds chunk lengths, so compiled programs.
 
     Returns:
         `positions` (step -> `(N, 3)`), `energy` (step -> potential energy, eV),
