@@ -1,4 +1,7 @@
-"""Command line: `nvalchemi-jaxbridge <group> <command> ...`; thin calls into the layers.
+"""Command line: check, convert and show spec files, validate an op, run MD of a demo potential, your op or an MLIP.
+
+`nvalchemi-jaxbridge <group> [<command>] ...`. Quiet by default (known third-party warnings filtered,
+`app/quiet.py`); `--verbose` shows them and the package's INFO log.
 
 To add a command: add its parser in `_build_parser()` and its handler to `_HANDLERS`
 under the same (group, command) key.
@@ -48,9 +51,12 @@ def _spec_convert(args: argparse.Namespace) -> int:
 def _spec_show(args: argparse.Namespace) -> int:
     from .show import show_spec
 
-    print(show_spec(args.file, devices=args.devices, system=args.system, cells=args.cells,
-                    structure=args.structure, op=args.op))
-    return 0
+    text, unresolved = show_spec(args.file, devices=args.devices, system=args.system, cells=args.cells,
+                                 structure=args.structure, op=args.op)
+    print(text)
+    for line in unresolved:
+        print(f"error: {line}", file=sys.stderr)
+    return 1 if unresolved else 0
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -74,9 +80,7 @@ def _run(args: argparse.Namespace) -> int:
     result = _with_progress(args, config.steps, "compiling", lambda progress: simulate.run(config, progress=progress))
     print(report.format_run(result))
     _write_json(args, result)
-    if args.plot:
-        report.plot_run(result, args.plot)
-        print(f"wrote {args.plot}")
+    _plot(args, result)
     _say_stop(result)
     return 0 if result.ok else 1
 
@@ -84,18 +88,30 @@ def _run(args: argparse.Namespace) -> int:
 def _run_model(args: argparse.Namespace) -> int:
     from . import model_run, report
 
-    given = {k: getattr(args, k) for k in ("dt", "temperature", "cells", "skin", *_LIMITS)
-             if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in ("dt", "temperature", "cells", "skin", "trajectory_every", "thermo_every",
+                                           *_LIMITS) if getattr(args, k) is not None}
     config = model_run.ModelRunConfig(
         model=args.model, checkpoint=args.checkpoint, seed=args.seed, devices=args.devices,
         exchange=args.exchange or "per_layer", steps=args.steps, structure=args.structure,
-        check_every=args.check_every, dtype=args.dtype, rtol=args.rtol, **given,
+        check_every=args.check_every, dtype=args.dtype, rtol=args.rtol, langevin=args.langevin,
+        trajectory=args.trajectory, thermo=args.thermo, **given,
     )
-    result = _with_progress(args, config.steps, "NVE", lambda progress: model_run.run_model(config, progress=progress))
+    result = _with_progress(args, config.steps, "layout",
+                            lambda progress: model_run.run_model(config, progress=progress))
     print(report.format_model_run(result))
     _write_json(args, result)
+    _plot(args, result)
     _say_stop(result)
     return 0 if result.ok else 1
+
+
+def _plot(args: argparse.Namespace, result: Any) -> None:
+    """The run's picture (`plots.figure`), if --plot asked for one."""
+    if args.plot:
+        from . import plots
+
+        plots.save(result.series(), args.plot)
+        print(f"wrote {args.plot}")
 
 
 #: The blow-up thresholds (`app/guards.py`), options of both kinds of run.
@@ -206,6 +222,7 @@ def _build_parser() -> argparse.ArgumentParser:
     show.add_argument("--structure", default=None, help="read the sample system from this file, ASE (default: generated)")
     show.add_argument("--op", default=None,
                       help="module:attr or file.py:attr implementing (or registering) the spec's op (default: the spec's op name)")
+    _add_verbose(show)
 
     _add_run_parser(groups)
 
@@ -223,7 +240,14 @@ def _build_parser() -> argparse.ArgumentParser:
     val.add_argument("--json", action="store_true", help="print the report as JSON (default: text)")
     val.add_argument("--rtol", type=float, default=1e-8,
                      help="tolerance on max|diff| / max|single-device| (default 1e-8)")
+    _add_verbose(val)
     return parser
+
+
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verbose", action="store_true",
+                        help="show the package's INFO log (FFI build, plan capacity growth) and the third-party "
+                             "warnings filtered by default (default off)")
 
 
 def _add_run_parser(groups: Any) -> None:
@@ -281,17 +305,20 @@ def _add_run_parser(groups: Any) -> None:
     run.add_argument("--trajectory-every", type=int, default=None, metavar="K",
                      help="steps between trajectory frames (default 10)")
     run.add_argument("--thermo", default=None, metavar="PATH",
-                     help="write step, time, temperature and energies as CSV (default none)")
+                     help="write step, time (fs), temperature (K), E_pot, E_kin, E_tot (eV) as CSV (default none)")
     run.add_argument("--thermo-every", type=int, default=None, metavar="K", help="steps between thermo rows (default 10)")
     run.add_argument("--json-report", default=None, metavar="PATH", help="write the report as JSON (default none)")
     run.add_argument("--plot", default=None, metavar="PNG",
-                     help="energy vs step and atoms per device, matplotlib (default none)")
+                     help="energy change, energy per atom and temperature against time (ps) with the plan "
+                          "rebuilds marked, and atoms per device; matplotlib (default none)")
     run.add_argument("--quiet", action="store_true", help="no progress bar (default off)")
+    _add_verbose(run)
     mlip = run.add_argument_group(
         "message-passing model (--model)",
         "distribute an MLIP on the JAX front door, compare energy, forces and stress with the same model on one "
-        "device (exit 1 past --rtol), then run NVE; default structure: rattled fcc Cu/Au, --cells 3 (108 atoms); "
-        "--dt defaults to 1 fs, --temperature to 300 K")
+        "device (exit 1 past --rtol), then run MD (NVE, or --langevin); --trajectory, --thermo and --plot as for the "
+        "demo, sampled at the MD's checks (a check falls on every output step); default structure: rattled fcc "
+        "Cu/Au, --cells 3 (108 atoms); --dt defaults to 1 fs, --temperature to 300 K")
     mlip.add_argument("--model", default=None, metavar="mpnn|mace|FILE",
                       help="mpnn or mace: the project's MPNN or a MACE (mace-torch) with seeded random weights "
                            "(--seed); any other value: a model file saved with torch.save(model, path) (MACE's "
@@ -308,9 +335,12 @@ def _add_run_parser(groups: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 ok, 1 problems found, 2 usage errors)."""
+    from .quiet import cli_output
+
     args = _build_parser().parse_args(argv)
     try:
-        return _HANDLERS[(args.group, getattr(args, "command", None))](args)
+        with cli_output(verbose=getattr(args, "verbose", False)):
+            return _HANDLERS[(args.group, getattr(args, "command", None))](args)
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,9 +1,10 @@
 """The model-level job behind `nvalchemi-jaxbridge run --model`: a message-passing MLIP distributed, checked, run.
 
     model (seeded MPNN / MACE, or a model file: `mlip.load_model`) -> DistributedMLIP (JAX front door)
-      -> energy, forces, stress against the same model on one device -> a short NVE run
+      -> energy, forces, stress against the same model on one device -> MD (NVE or Langevin, `mlip.dynamics.md`)
 
-The single-device reference and the parity are in `model_reference`.
+The single-device reference and the parity are in `model_reference`; the report is `run_report.ModelRunReport`;
+the trajectory and thermo files are written by `outputs` (the demo path's writers), at the MD's checks.
 
 Call `run_config.configure_jax` before anything else touches JAX (`run_model` does).
 """
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .model_reference import parity, single_device_reference
+from .run_report import ModelRunReport
 from .model_reference import periodic_graph as periodic_graph  # re-exported: a public name here too
 
 MODELS = ("mpnn", "mace")
@@ -27,8 +29,7 @@ SPECIES = (29, 79)
 MASSES = {29: 63.546, 79: 196.966570}
 EXCHANGES = ("per_layer", "deep_halo")
 #: Options of the demo potentials (LJ / DSF) and of --op that a model run has no use for.
-DEMO_ONLY = ("system", "spec", "kernel", "langevin", "plot", "op", "param", "trajectory", "trajectory_every",
-             "thermo", "thermo_every")
+DEMO_ONLY = ("system", "spec", "kernel", "op", "param")
 #: Options of a model run that the demo potentials have no use for.
 MODEL_ONLY = ("exchange", "checkpoint")
 
@@ -64,7 +65,8 @@ class ModelRunConfig:
         seed: weights of a seeded model, the rattle of the default structure, the velocities.
         devices: devices of the mesh (default 8 on the CPU, all GPUs otherwise).
         exchange: "per_layer" (halo of one cutoff + skin) or "deep_halo" (n_layers x cutoff + skin).
-        steps, dt, temperature: NVE steps, time step (fs), initial temperature (K).
+        steps, dt, temperature: MD steps, time step (fs), initial (and Langevin bath) temperature (K).
+        langevin: the Langevin (BAOAB) friction (1/fs), or None for NVE.
         cells: fcc cells per axis of the default rattled Cu/Au structure (4 atoms each).
         structure: read this file (ASE) instead.
         skin: Verlet skin of the layout (Å).
@@ -73,6 +75,10 @@ class ModelRunConfig:
         rtol: parity tolerance on each relative difference (default 1e-8 in float64, 1e-4 in float32).
         max_energy, max_temperature, max_energy_jump: the run stops past `abs(E_pot)` per atom (eV), the
             temperature (K) or the relative total-energy jump between checks (`guards.Limits`).
+        trajectory, trajectory_every: extended XYZ file with a frame every `trajectory_every` steps (and the
+            last step); a check of the MD falls on each frame's step.
+        thermo, thermo_every: CSV of step, time, temperature and energies every `thermo_every` steps (and the
+            last step), likewise.
     """
 
     model: str | None = "mpnn"
@@ -92,6 +98,11 @@ class ModelRunConfig:
     max_energy: float = 1e3
     max_temperature: float = 1e6
     max_energy_jump: float = 1.0
+    langevin: float | None = None
+    trajectory: str | None = None
+    trajectory_every: int = 10
+    thermo: str | None = None
+    thermo_every: int = 10
 
     def __post_init__(self):
         if self.model is None and self.checkpoint is None:
@@ -109,14 +120,14 @@ class ModelRunConfig:
             )
         if self.exchange not in EXCHANGES:
             raise ValueError(f"run: exchange must be one of {EXCHANGES}, got {self.exchange!r}.")
-        for name in ("steps", "check_every", "cells"):
+        for name in ("steps", "check_every", "cells", "trajectory_every", "thermo_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "steps" else 1):
                 raise ValueError(f"run: --{name.replace('_', '-')} must be an int >= {0 if name == 'steps' else 1}, "
                                  f"got {v!r}.")
-        for name in ("dt", "temperature", "skin", "rtol"):
+        for name in ("dt", "temperature", "skin", "rtol", "langevin"):
             v = getattr(self, name)
-            positive = name == "dt"
+            positive = name in ("dt", "langevin")
             if v is not None and not (np.isfinite(v) and (v > 0 if positive else v >= 0)):
                 raise ValueError(f"run: --{name} must be a finite number {'> 0' if positive else '>= 0'}, got {v!r}.")
         if self.dtype not in (None, "float32", "float64"):
@@ -199,79 +210,35 @@ def make_structure(config: ModelRunConfig) -> Any:
     return s.with_temperature(config.temperature, seed=config.seed) if s.velocities is None else s
 
 
-# ------------------------------------------------------------------ report
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelRunReport:
-    """What a model run measured. `to_dict()` is the `--json-report` content; `ok` is the exit status."""
-
-    model: str
-    source: str
-    cutoff: float
-    n_layers: int
-    n_params: int
-    n_atoms: int
-    n_devices: int
-    platform: str
-    dtype: str
-    exchange: str
-    halo_depth: float
-    skin: float
-    energy: float
-    energy_reference: float
-    parity: dict[str, float]
-    rtol: float
-    reference: str
-    rows_per_device: tuple[dict[str, int], ...]
-    other_exchange: str
-    other_rows_per_device: tuple[dict[str, int], ...]
-    compile_s: float
-    steps: int
-    dt: float
-    nve_energy: dict[int, float]
-    rebuilds: int
-    time_per_step_s: float
-    wall_s: float
-    steps_done: int = 0  # NVE steps run (fewer than `steps` when a guard stopped the run)
-    stop: dict[str, Any] | None = None  # why the run stopped early (`guards.Stop.to_dict()`), or None
-
-    @property
-    def ok(self) -> bool:
-        """No guard stopped the run; energy, forces and stress all within `rtol` of the reference."""
-        return self.stop is None and all(
-            v <= self.rtol for k, v in self.parity.items() if k in ("energy_rel", "forces_rel", "stress_rel"))
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of every field plus `ok`."""
-        d = dataclasses.asdict(self)
-        d["nve_energy"] = {str(k): v for k, v in self.nve_energy.items()}
-        d["ok"] = self.ok
-        return d
-
-
 # ------------------------------------------------------------------ the job
 
 
-def run_model(config: ModelRunConfig, *, progress: Callable[[int], Any] | None = None) -> ModelRunReport:
-    """Distribute the model, compare it with one device, then run `config.steps` NVE steps.
+def run_model(config: ModelRunConfig, *, progress: Callable[..., Any] | None = None) -> ModelRunReport:
+    """Distribute the model, compare it with one device, then run `config.steps` MD steps.
 
     Args:
         config: what to run.
-        progress: called with the number of steps done at each rebuild check (e.g. a tqdm update).
+        progress: called as `progress(done, phase=..., temperature=K, energy=eV/atom)`: `phase` names
+            what runs ("layout", "compiling", "reference", "compiling MD", "MD"); at each MD check the
+            steps done, the temperature and the total energy per atom.
 
     Returns:
         The `ModelRunReport` (`report.ok` is False when a parity difference exceeds the tolerance).
     """
     from ..mlip import DistributedMLIP
-    from ..mlip.dynamics import nve
+    from ..mlip.dynamics import Langevin, md
     from ..mlip.model_files import is_mliap_model
     from ..mlip.jax_model import build_layout
-    from . import guards
+    from . import guards, outputs
     from .run_config import configure_jax
 
+    outputs.check_paths({"--trajectory": config.trajectory, "--thermo": config.thermo})
+    if config.trajectory is not None:
+        outputs.require_ase("--trajectory")
+    say = progress or (lambda *a, **k: None)
     t_start = time.perf_counter()
     devices, dtype = configure_jax(config.devices, dtype=config.dtype)
+    say(0, phase="layout")
     wrapper = load_wrapper(config, dtype)
     s = make_structure(config)
     pos, z, cell, pbc = s.positions, s.atomic_numbers, s.cell, s.periodic
@@ -279,9 +246,11 @@ def run_model(config: ModelRunConfig, *, progress: Callable[[int], Any] | None =
     mliap = is_mliap_model(wrapper)
     model = DistributedMLIP(wrapper, n_devices=n_dev, exchange=config.exchange, skin=config.skin)
     state = model.prepare(pos, z, cell, pbc)
+    say(0, phase="compiling")
     t0 = time.perf_counter()
     got = model.evaluate(pos, z, cell, pbc, state=state, stress=True)
     compile_s = time.perf_counter() - t0
+    say(0, phase="reference")
     if mliap:  # the model's own compute_forces on one device: LAMMPS' one-process view (images as ghost rows)
         import copy
 
@@ -299,22 +268,25 @@ def run_model(config: ModelRunConfig, *, progress: Callable[[int], Any] | None =
                             "edges": int(o_edges.n_edges[d])} for d in range(n_dev))
         name, n_layers = wrapper.name, int(wrapper.n_layers)
 
-    marks: list[tuple[int, float]] = []
-
-    def on_step(step: int, _x: np.ndarray, _e: float) -> None:
-        marks.append((step, time.perf_counter()))
-        if progress is not None:
-            progress(step)
-
-    traj = {"energy": {0: got["energy"]}, "rebuilds": 0, "steps": 0}
+    out = outputs.CheckOutputs(config, s, say)
     watch = guards.Watch(config.limits(), len(pos))
+    e_kin0 = guards.kinetic(s.velocities, s.masses)
+    traj = {"energy": {0: float(got["energy"])}, "kinetic": {0: e_kin0}, "rebuilds": 1, "rebuild_steps": [],
+            "steps": 0, "timing": (0, 0.0, 0.0)}
     if config.steps:
         guards.check_first_step(guards.first_step_displacement(s.velocities, got["forces"], s.masses, config.dt),
                                 config.skin, config.dt)
-        if not watch(0, float(got["energy"]), guards.kinetic(s.velocities, s.masses)):
-            traj = nve(model, pos, s.velocities, s.masses, z, cell, pbc, steps=config.steps, dt=config.dt,
-                       check_every=config.check_every, on_step=on_step, stop_when=watch)
-    per_step = ((marks[-1][1] - marks[0][1]) / (marks[-1][0] - marks[0][0]) if len(marks) > 1 else float("nan"))
+        if not watch(0, float(got["energy"]), e_kin0):
+            say(0, phase="compiling MD")
+            thermostat = None if config.langevin is None else Langevin(config.temperature, config.langevin,
+                                                                         config.seed)
+            traj = md(model, pos, s.velocities, s.masses, z, cell, pbc, steps=config.steps, dt=config.dt,
+                      check_every=config.check_every, thermostat=thermostat,
+                      stop_when=out.watch(watch), frames_every=out.every,
+                      on_frame=out.on_frame if out.every else None)
+    elif out.every:  # --steps 0: the outputs hold the start
+        out.on_frame(0, {"positions": np.asarray(pos, dtype=np.float64), "velocities": s.velocities,
+                         "forces": got["forces"], "energy": float(got["energy"]), "kinetic": e_kin0})
     return ModelRunReport(
         model=name, source=config.file or f"seeded random weights (seed {config.seed})",
         cutoff=float(wrapper.cutoff if not mliap else model.cutoff), n_layers=n_layers,
@@ -325,9 +297,16 @@ def run_model(config: ModelRunConfig, *, progress: Callable[[int], Any] | None =
         rtol=config.tolerance(dtype), reference=want["how"],
         rows_per_device=tuple(state.rows_per_device()), other_exchange=other, other_rows_per_device=other_rows,
         compile_s=float(compile_s), steps=config.steps, dt=float(config.dt),
-        nve_energy={int(k): float(v) for k, v in traj["energy"].items()}, rebuilds=int(traj["rebuilds"]),
-        time_per_step_s=float(per_step), wall_s=float(time.perf_counter() - t_start),
+        thermostat="NVE (velocity Verlet)" if config.langevin is None else
+        f"Langevin BAOAB, friction {config.langevin:g}/fs, {config.temperature:g} K",
+        bath_temperature_K=None if config.langevin is None else float(config.temperature),
+        md_steps=tuple(sorted(traj["energy"])),
+        potential_energy_eV=tuple(float(traj["energy"][k]) for k in sorted(traj["energy"])),
+        kinetic_energy_eV=tuple(float(traj["kinetic"][k]) for k in sorted(traj["energy"])),
+        rebuilds=int(traj["rebuilds"]), rebuild_steps=tuple(int(k) for k in traj["rebuild_steps"]),
+        timing=tuple(traj["timing"]), wall_s=float(time.perf_counter() - t_start),
         steps_done=int(traj["steps"]), stop=None if watch.stop is None else watch.stop.to_dict(),
+        outputs=out.summary(),
     )
 
 

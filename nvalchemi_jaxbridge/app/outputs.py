@@ -7,6 +7,8 @@ step's `[e_pot, e_kin]` (device values, copied once per check) and, every
 No step waits for the host because of an output.
 
 Frames and rows: step 0 (the initial state), every `every` steps, and the last step.
+A model run (`run --model`) writes them with `CheckOutputs`, from the MD's checks
+(`mlip.dynamics.md` ends a check at every output step).
 A trajectory frame holds positions, velocities (as ASE momenta) and, as calculator
 results, `energy` (potential, eV) and `forces` (eV/Å), so `ase.io.read(path, ":")`
 gives them back; `info` holds `step` and `time_fs`.
@@ -196,9 +198,61 @@ class Recorder:
 
     def summary(self) -> dict[str, Any]:
         """What was written, for the report: {"trajectory": (path, frames), "thermo": (path, rows)}."""
-        out = {}
-        if self.traj is not None:
-            out["trajectory"] = (self.traj.path, self.traj.frames)
-        if self.thermo is not None:
-            out["thermo"] = (self.thermo.path, self.thermo.rows)
-        return out
+        return written(self.traj, self.thermo)
+
+
+class CheckOutputs:
+    """A model run's trajectory and thermo files, written from the MD's checks, and its progress.
+
+    `every` holds the step intervals on which the MD must end a check (empty when nothing is written);
+    pass `on_frame` to `mlip.dynamics.md` as its `on_frame`, `watch(stop_when)` as its `stop_when`.
+
+    Args:
+        config: the `ModelRunConfig` (`trajectory`, `trajectory_every`, `thermo`, `thermo_every`, `steps`,
+            `dt`).
+        system: the run's system (species, masses, cell for the frames).
+        progress: called as `progress(step, phase="MD", temperature=K, energy=eV/atom)` at each check.
+    """
+
+    def __init__(self, config: Any, system: Any, progress: Callable[..., Any]):
+        self.steps, self.dt, self.n, self.progress = config.steps, float(config.dt), system.n_atoms, progress
+        self.traj = Trajectory(config.trajectory, config.trajectory_every, system) if config.trajectory else None
+        self.thermo = Thermo(config.thermo, config.thermo_every, system.n_atoms) if config.thermo else None
+        self.every = tuple(sorted({o.every for o in (self.traj, self.thermo) if o is not None}))
+        self._dof_kb = max(3 * system.n_atoms - 3, 1)
+
+    def on_frame(self, step: int, frame: dict[str, Any]) -> None:
+        """Write `frame` (positions, velocities, forces, energy, kinetic) where an output is due at `step`."""
+        last = step == self.steps or all(step % e for e in self.every)  # the last step, or the one a guard stopped
+        t = step * self.dt
+        if self.traj is not None and (last or step % self.traj.every == 0):
+            self.traj.write(step, t, np.asarray(frame["positions"], dtype=np.float64),
+                            np.asarray(frame["velocities"], dtype=np.float64), frame["energy"],
+                            np.asarray(frame["forces"], dtype=np.float64))
+        if self.thermo is not None and (last or step % self.thermo.every == 0):
+            self.thermo.write([(step, t, float(frame["energy"]), float(frame["kinetic"]))])
+
+    def watch(self, stop_when: Callable[[int, float, float], bool]) -> Callable[[int, float, float], bool]:
+        """`stop_when`, reporting the progress (T, E_tot per atom) at each check first."""
+        from ..demo.units import KB_EV
+
+        def check(step: int, e_pot: float, e_kin: float) -> bool:
+            self.progress(step, phase="MD", temperature=2.0 * e_kin / (self._dof_kb * KB_EV),
+                          energy=(e_pot + e_kin) / self.n)
+            return stop_when(step, e_pot, e_kin)
+
+        return check
+
+    def summary(self) -> dict[str, Any]:
+        """What was written, for the report: {"trajectory": (path, frames), "thermo": (path, rows)}."""
+        return written(self.traj, self.thermo)
+
+
+def written(traj: Trajectory | None, thermo: Thermo | None) -> dict[str, Any]:
+    """{"trajectory": (path, frames), "thermo": (path, rows)} of the files a run wrote."""
+    out = {}
+    if traj is not None:
+        out["trajectory"] = (traj.path, traj.frames)
+    if thermo is not None:
+        out["thermo"] = (thermo.path, thermo.rows)
+    return out

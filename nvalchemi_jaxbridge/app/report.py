@@ -174,7 +174,8 @@ def describe_capacity(name: str) -> str:
     if name in words:
         return words[name]
     if name.startswith("pair_capacities[") and name.endswith("]"):
-        return f"rows per halo message to the device {name[16:-1]} ranks on"
+        k = name[16:-1]
+        return f"rows per halo message from each device to the one {k} rank{'' if k == '1' else 's'} after it"
     return name
 
 
@@ -192,8 +193,9 @@ def format_run(report: Any) -> str:
         + (f", {r.call_path} call path" if r.call_path != "-" else "") + ")",
         f"  devices      {r.n_devices} x {r.platform}, domain grid {r.grid}, {r.dtype}",
         f"  dynamics     {r.steps} steps of {r.dt_fs:g} fs, {r.thermostat}",
-        f"  time         {1e3 * r.time_per_step_s:.2f} ms/step (first step with compile: {r.compile_s:.1f} s; "
-        f"wall {r.wall_s:.1f} s)",
+        f"  time         {1e3 * r.time_per_step_s:.2f} ms/step "
+        + ("(one step: compilation included; " if r.steps_done <= 1 else "(")
+        + f"first step with compile: {r.compile_s:.1f} s; wall {r.wall_s:.1f} s)",
         f"  energy       E0 = {r.energy_per_atom_eV[0]:.6f} eV/atom; "
         + ("drift" if r.thermostat.startswith("NVE") else "change (a thermostat exchanges energy: not a drift)")
         + f" max|E(t)-E(0)|/N = {r.energy_change_max_eV_per_atom:.3e} eV/atom, fit slope "
@@ -202,21 +204,22 @@ def format_run(report: Any) -> str:
         "largest value):",
         f"               forces max abs {r.parity_force_max_abs_eV_per_A:.3e} eV/Å, max rel {r.parity_force_max_rel:.3e}; "
         f"energy rel {r.parity_energy_rel:.3e}  {'ok' if r.parity_ok else 'FAIL'}",
-        f"  halo         {r.halo_ghost_rows} ghost rows; per step {r.halo_rows_per_step} rows / "
+        f"  halo         final plan: {r.halo_ghost_rows} ghost rows; per step {r.halo_rows_per_step} rows / "
         f"{_fmt_bytes(r.halo_bytes_per_step)} between devices ({_fmt_bytes(r.halo_padded_bytes_per_step)} with padding)",
     ]
     for c in r.collectives:
         c = Collective(**{k: v for k, v in c.items() if k not in ("bytes", "padded_bytes")})
         lines.extend(format_collectives([c]))
     lines += [
-        f"  balance      owned atoms per device {owned.tolist()}: min {owned.min()}, max {owned.max()}, "
+        f"  balance      final plan: owned atoms per device {owned.tolist()}: min {owned.min()}, max {owned.max()}, "
         f"imbalance {100 * r.load_imbalance:.1f}% (max/mean - 1)",
         f"               ghosts per device {list(r.ghosts_per_device)}",
         f"  rebuilds     {len(r.rebuilds)} (at steps {list(r.rebuilds)[:10]}{' ...' if len(r.rebuilds) > 10 else ''})"
         + ("; all atoms accounted for after each" if r.rebuilds else "")
         + (f"; steps after {list(r.late_rebuilds)} run again on a plan rebuilt there (an atom passed skin/2 "
            "before the check)" if r.late_rebuilds else "")
-        + (f"; capacities grown: {', '.join(describe_capacity(g) for g in r.grown)}" if r.grown else ""),
+        + (f"; capacities grown at rebuilds (so the halo and balance lines, from the final plan, differ from the "
+           f"first plan's): {'; '.join(describe_capacity(g) for g in r.grown)}" if r.grown else ""),
         f"  displacement largest since its plan {r.max_displacement_A:.3f} Å over {r.steps_done} steps (skin/2 = "
         f"{r.skin_A / 2:g} Å), flagged in every step's program, read at {r.host_checks} host check(s)",
         f"  temperature  initial {r.initial_temperature_K:.1f} K, final {r.final_temperature_K:.1f} K",
@@ -236,30 +239,9 @@ def _result(r: Any) -> str:
     return "ok" if r.ok else "FAILED: parity outside tolerance"
 
 
-def plot_run(report: Any, path: str) -> None:
-    """Energy per atom vs step and owned atoms per device, as a PNG (matplotlib, Agg)."""
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise ImportError("--plot needs matplotlib: pip install matplotlib") from e
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    e = np.asarray(report.energy_per_atom_eV)
-    a.plot(np.arange(e.size), e - e[0])
-    for s in report.rebuilds:
-        a.axvline(s, color="0.85", lw=0.8, zorder=0)
-    a.set_xlabel("step")
-    a.set_ylabel("E(t) - E(0)  [eV/atom]")
-    a.set_title(f"total energy ({report.n_atoms} atoms, {report.n_devices} devices)")
-    b.bar(np.arange(report.n_devices), report.owned_per_device)
-    b.set_xlabel("device")
-    b.set_ylabel("owned atoms")
-    b.set_title(f"load balance (imbalance {100 * report.load_imbalance:.1f}%)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def _n(count: int, word: str) -> str:
+    """'1 step', '2 steps'."""
+    return f"{count} {word}{'' if count == 1 else 's'}"
 
 
 def _rows_line(rows: Any) -> str:
@@ -273,8 +255,6 @@ def format_model_run(report: Any) -> str:
     """The human report of `model_run.run_model`."""
     r, p = report, report.parity
     flag = lambda key: "ok" if p[key] <= r.rtol else "FAIL"  # noqa: E731
-    e = r.nve_energy
-    steps = sorted(e)
     lines = [
         "nvalchemi-jaxbridge run --model: report",
         f"  model        {r.model}, {r.source}: cutoff {r.cutoff:g} Å, {r.n_layers} layers, {r.n_params} parameters",
@@ -282,7 +262,7 @@ def format_model_run(report: Any) -> str:
         f"  exchange     {r.exchange}: halo depth {r.halo_depth:g} Å + skin {r.skin:g} Å"
         + (" (one cutoff; ghost features refreshed before every layer after the first)" if r.exchange == "per_layer"
            else f" ({r.n_layers} x cutoff; no exchange between layers)"),
-        f"  rows/device  {_rows_line(r.rows_per_device)}",
+        f"  rows/device  first plan: {_rows_line(r.rows_per_device)}",
         f"               {r.other_exchange} would need {_rows_line(r.other_rows_per_device)}",
         f"  parity       vs {r.reference}; tolerance {r.rtol:g} (relative to the reference's largest value)",
         f"               energy   {r.energy:.10f} eV vs {r.energy_reference:.10f} eV: diff {p['energy_max_abs']:.3e} eV, "
@@ -293,9 +273,33 @@ def format_model_run(report: Any) -> str:
         f"{flag('stress_rel')}",
         f"  compile      first evaluation {r.compile_s:.1f} s",
     ]
-    if r.steps:
-        lines.append(
-            f"  nve          {r.steps} steps of {r.dt:g} fs: potential energy {e[steps[0]]:.6f} -> {e[steps[-1]]:.6f} eV; "
-            f"{r.rebuilds} layout(s) built; {1e3 * r.time_per_step_s:.1f} ms/step")
+    if r.steps == 0:
+        lines.append("  dynamics     none (--steps 0): the parity check only")
+    else:
+        drift, slope = r.drift
+        e, temp = r.total_energy_per_atom_eV, r.temperature_K
+        per_step = r.time_per_step_s
+        lines += [
+            f"  dynamics     {_n(r.steps, 'step')} of {r.dt:g} fs, {r.thermostat}",
+            f"  energy       E_tot(0) = {e[0]:.6f} eV/atom (E_pot {r.potential_energy_eV[0] / r.n_atoms:.6f}); "
+            + ("drift" if r.bath_temperature_K is None else "change (a thermostat exchanges energy: not a drift)")
+            + f" max|E_tot(t)-E_tot(0)|/N = {drift:.3e} eV/atom, fit slope {slope:.3e} eV/atom/ps "
+            f"(over {len(r.md_steps)} checks)",
+            f"  temperature  initial {temp[0]:.1f} K, final {temp[-1]:.1f} K"
+            + ("" if r.bath_temperature_K is None else f" (bath {r.bath_temperature_K:g} K)"),
+            "  time         " + (
+                "no step ran" if per_step is None else
+                f"{1e3 * per_step:.1f} ms/step" + (
+                    " (compilation included: every chunk of steps compiled its program; run more steps than "
+                    "--check-every for a steady figure)" if r.time_includes_compile else
+                    f" (over {_n(r.timing[0], 'step')} that compiled nothing)")),
+            f"  layouts      {r.rebuilds} built"
+            + (f" (rebuilt at steps {list(r.rebuild_steps)[:10]}{' ...' if len(r.rebuild_steps) > 10 else ''})"
+               if r.rebuild_steps else ""),
+        ]
+    written = [f"{what} {path} ({count} {'frames' if what == 'trajectory' else 'rows'})"
+               for what, (path, count) in r.outputs.items()]
+    if written:
+        lines.append(f"  outputs      {'; '.join(written)}")
     lines += [f"  wall         {r.wall_s:.1f} s", "  result       " + _result(r)]
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""What `nvalchemi-jaxbridge run` measured: `RunReport` (the `--json-report` content) and the drift measure."""
+"""What `nvalchemi-jaxbridge run` measured: `RunReport` (the demo potentials and --op), `ModelRunReport`
+(--model), each's `to_dict()` the `--json-report` content, and the drift measure."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from .report import describe_capacity
 class RunReport:
     """What a run measured. `to_dict()` is the `--json-report` content (without the final arrays)."""
 
-    system: str
+    system: str  # "argon" / "rocksalt" (generated), or the chemical formula of the structure file read
     potential: str
     spec: str
     op: str
@@ -60,6 +61,9 @@ class RunReport:
     skin_A: float = 0.0
     max_displacement_A: float = 0.0  # largest displacement since its plan, over every kept step (in-program)
     host_checks: int = 0  # times the host read the steps' displacement flags and energies
+    potential_per_atom_eV: tuple[float, ...] = ()  # per kept step, from step 0
+    temperature_K: tuple[float, ...] = ()  # per kept step, from step 0
+    bath_temperature_K: float | None = None  # the Langevin bath, or None for NVE
     final_positions: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
     final_velocities: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -90,6 +94,18 @@ class RunReport:
         return d
 
 
+    def series(self) -> Any:
+        """The picture's data (`plots.MDSeries`): every kept step, time in ps."""
+        from .plots import MDSeries
+
+        t = np.arange(len(self.energy_per_atom_eV)) * self.dt_fs * 1e-3
+        return MDSeries(time_ps=t, potential=np.asarray(self.potential_per_atom_eV), total=self.energy_per_atom_eV,
+                        temperature=np.asarray(self.temperature_K),
+                        rebuilds_ps=tuple(s * self.dt_fs * 1e-3 for s in self.rebuilds),
+                        owned_per_device=self.owned_per_device, bath_K=self.bath_temperature_K,
+                        title=f"{self.potential}: {self.n_atoms} atoms on {self.n_devices} devices, {self.thermostat}")
+
+
 def energy_drift(total_energy: np.ndarray, n_atoms: int, dt_fs: float) -> tuple[float, float]:
     """(max |E(t) - E(0)| / N, |slope| of a linear fit of E(t)/N in eV/ps)."""
     e = np.asarray(total_energy, dtype=np.float64) / n_atoms
@@ -98,3 +114,111 @@ def energy_drift(total_energy: np.ndarray, n_atoms: int, dt_fs: float) -> tuple[
         return drift, 0.0
     t_ps = np.arange(e.size) * dt_fs * 1e-3
     return drift, float(abs(np.polyfit(t_ps, e, 1)[0]))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRunReport:
+    """What a model run measured. `to_dict()` is the `--json-report` content; `ok` is the exit status.
+
+    The MD figures are sampled at the MD's checks (`md_steps`: every `--check-every` steps, the output
+    steps, and the last). `timing` is (steps, seconds) of the chunks of steps that ran without compiling,
+    then the seconds of the whole MD call (compilation included).
+    """
+
+    model: str
+    source: str
+    cutoff: float
+    n_layers: int
+    n_params: int
+    n_atoms: int
+    n_devices: int
+    platform: str
+    dtype: str
+    exchange: str
+    halo_depth: float
+    skin: float
+    energy: float
+    energy_reference: float
+    parity: dict[str, float]
+    rtol: float
+    reference: str
+    rows_per_device: tuple[dict[str, int], ...]
+    other_exchange: str
+    other_rows_per_device: tuple[dict[str, int], ...]
+    compile_s: float
+    steps: int
+    dt: float
+    thermostat: str
+    md_steps: tuple[int, ...]
+    potential_energy_eV: tuple[float, ...]
+    kinetic_energy_eV: tuple[float, ...]
+    rebuilds: int  # layouts built (the first one included)
+    rebuild_steps: tuple[int, ...]
+    timing: tuple[int, float, float]
+    wall_s: float
+    bath_temperature_K: float | None = None
+    steps_done: int = 0  # MD steps run (fewer than `steps` when a guard stopped the run)
+    stop: dict[str, Any] | None = None  # why the run stopped early (`guards.Stop.to_dict()`), or None
+    outputs: dict[str, Any] = dataclasses.field(default_factory=dict)  # {"trajectory": (path, frames), ...}
+
+    @property
+    def ok(self) -> bool:
+        """No guard stopped the run; energy, forces and stress all within `rtol` of the reference."""
+        return self.stop is None and all(
+            v <= self.rtol for k, v in self.parity.items() if k in ("energy_rel", "forces_rel", "stress_rel"))
+
+    @property
+    def time_per_step_s(self) -> float | None:
+        """Seconds per MD step without compilation, else with it (`time_includes_compile`); None: no steps."""
+        steps, seconds, whole = self.timing
+        if steps:
+            return seconds / steps
+        return whole / self.steps_done if self.steps_done else None
+
+    @property
+    def time_includes_compile(self) -> bool:
+        """True when every chunk of steps compiled its program: `time_per_step_s` includes compilation."""
+        return self.timing[0] == 0 and self.steps_done > 0
+
+    @property
+    def total_energy_per_atom_eV(self) -> np.ndarray:
+        """E_pot + E_kin per atom at `md_steps`."""
+        return (np.asarray(self.potential_energy_eV) + np.asarray(self.kinetic_energy_eV)) / self.n_atoms
+
+    @property
+    def temperature_K(self) -> np.ndarray:
+        """Temperature (K, 3N - 3 degrees of freedom) at `md_steps`."""
+        from ..demo.units import KB_EV
+
+        return 2.0 * np.asarray(self.kinetic_energy_eV) / (max(3 * self.n_atoms - 3, 1) * KB_EV)
+
+    @property
+    def drift(self) -> tuple[float, float]:
+        """(max |E_tot(t) - E_tot(0)| / N in eV/atom, |fit slope| in eV/atom/ps) over `md_steps`."""
+        e = self.total_energy_per_atom_eV
+        drift = float(np.max(np.abs(e - e[0])))
+        if e.size < 2:
+            return drift, 0.0
+        return drift, float(abs(np.polyfit(np.asarray(self.md_steps) * self.dt * 1e-3, e, 1)[0]))
+
+    def series(self) -> Any:
+        """The picture's data (`plots.MDSeries`): the MD's checks, time in ps."""
+        from .plots import MDSeries
+
+        return MDSeries(time_ps=np.asarray(self.md_steps) * self.dt * 1e-3,
+                        potential=np.asarray(self.potential_energy_eV) / self.n_atoms,
+                        total=self.total_energy_per_atom_eV, temperature=self.temperature_K,
+                        rebuilds_ps=tuple(s * self.dt * 1e-3 for s in self.rebuild_steps),
+                        owned_per_device=tuple(r["owned"] for r in self.rows_per_device),
+                        bath_K=self.bath_temperature_K, plan="first plan",
+                        title=f"{self.model}: {self.n_atoms} atoms on {self.n_devices} devices, {self.thermostat}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field plus `ok`, the energy drift, temperatures and time per step."""
+        d = dataclasses.asdict(self)
+        drift, slope = self.drift
+        d.update(ok=self.ok, energy_change_max_eV_per_atom=drift, energy_slope_eV_per_atom_ps=slope,
+                 total_energy_per_atom_eV=self.total_energy_per_atom_eV.tolist(),
+                 temperature_K=self.temperature_K.tolist(), time_per_step_s=self.time_per_step_s,
+                 time_includes_compile=self.time_includes_compile)
+        return d

@@ -10,7 +10,7 @@ from .validate import sample_system
 
 
 def show_spec(spec_path: str, *, devices: int | None = None, system: str | None = None, cells: int | None = None,
-              structure: str | None = None, op: str | None = None) -> str:
+              structure: str | None = None, op: str | None = None) -> tuple[str, list[str]]:
     """The compiled plan of a spec on a sample system: mesh, partition specs, collectives with bytes.
 
     Args:
@@ -22,7 +22,9 @@ def show_spec(spec_path: str, *, devices: int | None = None, system: str | None 
             `jaxbridge_demo::` ops are imported automatically.
 
     Returns:
-        The text.
+        (the text, the problems): one line per adapter that could not be shown (its op could not be
+        resolved, or has no 'cutoff' default), naming the adapter, the reason and the fix; the CLI exits
+        1 when there is any.
     """
     import jax
 
@@ -42,6 +44,7 @@ def show_spec(spec_path: str, *, devices: int | None = None, system: str | None 
     mesh = make_mesh(len(devs), devices=devs)
     lines = [f"spec {spec_path}", f"  policy: {spec.policy!r}",
              f"  mesh: {len(devs)} x {devs[0].platform} devices, axis {mesh.axis_names[0]!r} (1-D, Auto)"]
+    problems: list[str] = []
     for adapter in spec.custom_ops:
         name = str(adapter.describe().target)
         try:
@@ -50,12 +53,16 @@ def show_spec(spec_path: str, *, devices: int | None = None, system: str | None 
             live = resolve_op(adapter.op) if isinstance(adapter.op, str) else adapter.op
             params = op_params(live)
             roles = arg_roles(params, f"spec show: adapter {name!r}")
-        except Exception as e:  # noqa: BLE001 - shown, not fatal: other adapters still print
-            lines.append(f"  adapter {name}: cannot resolve its op ({e}); pass --op module:attr to import it.")
+        except Exception as e:  # noqa: BLE001 - shown, then the exit status: other adapters still print
+            problems.append(f"spec show: adapter {name}: cannot resolve its op ({e}); pass --op module:attr (or "
+                            "file.py:attr) that implements or registers it.")
+            lines.append("  " + problems[-1])
             continue
         cutoff = next((float(d) for n, has, d in params if n == "cutoff" and has), None)
         if cutoff is None:
-            lines.append(f"  adapter {name}: its op has no 'cutoff' default, so no plan can be built here.")
+            problems.append(f"spec show: adapter {name}: its op has no 'cutoff' default, so no plan can be built "
+                            "here; give the op's 'cutoff' parameter a default.")
+            lines.append("  " + problems[-1])
             continue
         sample = sample_system(charged="charges" in roles, structure=structure, cells=cells, system=system)
         plan = HaloPlan.build(sample.positions, sample.cell, periodic=sample.periodic, cutoff=cutoff, n_devices=len(devs))
@@ -84,4 +91,4 @@ def show_spec(spec_path: str, *, devices: int | None = None, system: str | None 
         lines += ["  " + ln for ln in format_collectives(collectives(cs, adapter, *args))]
         counts = hlo_collectives(compiled.as_text())
         lines.append("    in the compiled program: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
-    return "\n".join(lines)
+    return "\n".join(lines), problems

@@ -268,7 +268,9 @@ def run(config: RunConfig, *, progress: Callable[..., Any] | None = None) -> Run
     plan = loop.cs.plan
     coll = collectives(loop.cs, adapter, *call_args(loop.cs, loop.state.positions, loop.layout), **scalars)
     return RunReport(
-        system=config.system, potential=pot.name, spec=fop.spec_path, op=fop.name, kernel=fop.kernel,
+        system=config.system if config.structure is None else "".join(
+            f"{k}{v}" for k, v in species_counts(sys_.atomic_numbers).items()),  # a file's own formula, e.g. Cu108
+        potential=pot.name, spec=fop.spec_path, op=fop.name, kernel=fop.kernel,
         n_atoms=n, n_devices=n_dev, platform=devices[0].platform, dtype=dtype_name, grid=tuple(plan.grid),
         steps=config.steps, dt_fs=dt,
         thermostat="NVE (velocity Verlet)" if friction is None else f"Langevin BAOAB, friction {friction:g}/fs, {bath_t:g} K",
@@ -294,6 +296,9 @@ def run(config: RunConfig, *, progress: Callable[..., Any] | None = None) -> Run
         final_velocities=np.asarray(vel, dtype=np.float64),
         steps_done=i, stop=None if stop is None else stop.to_dict(), skin_A=float(config.skin),
         max_displacement_A=float(np.max(e[:, 2], initial=0.0)), host_checks=checks,
+        potential_per_atom_eV=tuple(float(v) for v in np.concatenate([[e0 - e_kin0], e[:, 0]]) / n),
+        bath_temperature_K=None if friction is None else bath_t,
+        temperature_K=tuple(float(v) for v in 2.0 * np.concatenate([[e_kin0], e[:, 1]]) / (max(3 * n - 3, 1) * KB_EV)),
     )
 
 

@@ -134,6 +134,14 @@ def _decode(d: Any, kinds: dict[str, type], other: dict[str, type], slot: str, w
             path=jpath(where, extra[0]),
         )
     given = sorted(fields & set(d))
+    for f in dataclasses.fields(cls):  # a flag read from JSON: spell the fix as the file writes it
+        if isinstance(f.default, bool) and f.name in d and not isinstance(d[f.name], bool):
+            raise SpecTypeError(
+                f"transform {kind!r}: \"{f.name}\" must be true or false, got {json_type(d[f.name])} "
+                f"{json.dumps(d[f.name], default=str)[:60]}; write {json.dumps(f.default)} (the default) or "
+                f"{json.dumps(not f.default)}, unquoted.",
+                path=jpath(where, f.name),
+            )
     try:
         # Legacy JSON without fields ({"type": "all_reduce_sum"}) takes the defaults.
         return cls(**{k: d[k] for k in given})

@@ -204,5 +204,6 @@ def test_energy_drift_definition():
 
 def test_grown_capacities_are_named_in_words():
     assert describe_capacity("ghost_capacity") == "ghost rows per device"
-    assert describe_capacity("pair_capacities[3]") == "rows per halo message to the device 3 ranks on"
+    assert describe_capacity("pair_capacities[3]") == "rows per halo message from each device to the one 3 ranks after it"
+    assert describe_capacity("pair_capacities[1]") == "rows per halo message from each device to the one 1 rank after it"
     assert "[" not in describe_capacity("owned_capacity")

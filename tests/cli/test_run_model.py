@@ -3,6 +3,7 @@ neighbour list, `tests/mlip/_reference.py`), rows per device, checkpoints, a tol
 
 from __future__ import annotations
 
+import csv
 import json
 
 import numpy as np
@@ -57,7 +58,7 @@ def test_mpnn_run_matches_an_independent_single_device_reference(tmp_path, capsy
     assert "8+" in out or "9+" in out  # owned+ghost printed per device
     assert f"exchange     {exchange}" in out and "result       ok" in out
     # the NVE run: energies at steps 0, 2, 4; finite, and moving (the structure is rattled)
-    e = {int(k): v for k, v in rep["nve_energy"].items()}
+    e = dict(zip(rep["md_steps"], rep["potential_energy_eV"]))
     assert sorted(e) == [0, 2, 4] and np.all(np.isfinite(list(e.values()))) and e[4] != e[0]
     np.testing.assert_allclose(e[0], want["energy"], rtol=1e-10)
 
@@ -109,13 +110,25 @@ def test_model_takes_a_file_and_a_missing_one_lists_both_forms(tmp_path, capsys)
 def test_an_mliap_file_runs_and_matches_its_own_single_device_forward(tmp_path, capsys):
     from nvalchemi_jaxbridge.demo.mliap_models import MLIAPMessagePassing
 
+    import ase.io
+
     path = tmp_path / "model-mliap_lammps.pt"
     torch.save(MLIAPMessagePassing(), path)
-    rc, out, rep = _run(tmp_path, capsys, "--model", str(path))
+    traj, thermo, png = tmp_path / "t.extxyz", tmp_path / "t.csv", tmp_path / "t.png"
+    rc, out, rep = _run(tmp_path, capsys, "--model", str(path), "--steps", "20", "--trajectory", str(traj),
+                        "--thermo", str(thermo), "--plot", str(png))
     assert rc == 0, out
     assert rep["model"] == "MLIAPMessagePassing" and rep["n_layers"] == 3  # two forward exchanges
     assert rep["reference"] == "the ML-IAP model's own compute_forces on one device"
     assert abs(rep["energy"] - rep["energy_reference"]) <= 1e-9 * abs(rep["energy_reference"])
+    # the outputs of an ML-IAP file: step 0's energy is the model's own on one device
+    frames = ase.io.read(traj, ":")
+    assert [f.info["step"] for f in frames] == [0, 10, 20]
+    np.testing.assert_allclose(frames[0].get_potential_energy(), rep["energy_reference"], rtol=1e-9)
+    rows = list(csv.DictReader(open(thermo, newline="")))
+    assert [int(r["step"]) for r in rows] == [0, 10, 20]
+    np.testing.assert_allclose(float(rows[-1]["e_pot_eV"]), frames[-1].get_potential_energy(), rtol=1e-9)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "drift max|E_tot(t)-E_tot(0)|/N" in out
 
 
 @pytest.mark.slow

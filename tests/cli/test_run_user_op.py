@@ -78,6 +78,7 @@ def test_user_jax_op_binds_scalars_by_name_and_matches_numpy(tmp_path, capsys):
     r = json.loads(rep.read_text())
     assert r["params"] == {"r0": 2.87, "depth": 0.34, "cutoff": 6.0, "alpha": 1.36}
     assert r["op"] == MORSE and r["kernel"] == "jax" and r["species"] == {"Cu": 32} and r["ok"]
+    assert r["system"] == "Cu32" and r["structure"] == str(xyz)  # the file's own formula, not the demo's "argon"
     assert r["parity_reference"].startswith("the same op on one device")
     assert r["parity_force_max_rel"] < 1e-10 and r["parity_energy_rel"] < 1e-10
     assert "potential    tests.cli._user_op:morse on Cu; scalars r0=2.87, depth=0.34, cutoff=6, alpha=1.36" in out

@@ -51,3 +51,17 @@ def test_collective_rows_are_the_ghosts_held_from_other_devices():
     assert by_slot["output 1"].rows == 2 * from_others
     assert by_slot["output 0"].op == "psum" and by_slot["output 0"].bytes == 8 * 8
     assert by_slot["argument 0"].padded_rows >= by_slot["argument 0"].rows
+
+
+def test_spec_show_exits_1_and_says_why_when_an_op_cannot_be_resolved(tmp_path, capsys):
+    import json
+
+    spec = json.loads(open("nvalchemi_jaxbridge/app/specs/lj_argon.json").read())
+    spec["custom_ops"][0]["op"] = "nobody_registered::this_op"
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    assert main(["spec", "show", str(path), "--devices", "2"]) == 1
+    captured = capsys.readouterr()
+    assert "adapter nobody_registered::this_op: cannot resolve its op" in captured.out
+    assert re.search(r"error: spec show: adapter nobody_registered::this_op: cannot resolve its op \(.*\); pass "
+                     r"--op module:attr", captured.err), captured.err

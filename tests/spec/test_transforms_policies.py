@@ -65,7 +65,10 @@ def test_transform_round_trip(a, o):
         (arg_transform_from_dict, {"type": "slice_owned", "foo": 1}, TypeError,
          r"unknown field\(s\) \['foo'\] for transform 'slice_owned'; allowed: none"),
         (output_transform_from_dict, {"type": "all_reduce_sum", "replicated_consumer": "yes"}, TypeError,
-         r"replicated_consumer='yes'.*expected a bool"),
+         r"\.replicated_consumer: transform 'all_reduce_sum': \"replicated_consumer\" must be true or false, got "
+         r"str \"yes\"; write false \(the default\) or true, unquoted"),
+        (output_transform_from_dict, {"type": "all_reduce_sum", "replicated_consumer": 1}, TypeError,
+         r"must be true or false, got int 1;"),
     ],
 )
 def test_transform_decoding_errors(decode, d, exc, match):
