@@ -27,7 +27,9 @@ WHY_ONE_ROW = "selects one atom row (an integer index on dim 0)"
 WHY_SPREAD = "spreads a one-row block over several rows by broadcasting"
 WHY_NEW_DIM = "inserts a dimension before the atom dimension, which moves it away from dim 0"
 WHY_MERGE = "merges or splits the atom dimension (dim 0) with other dimensions"
-HINT_VIEW = "keep the atom dimension first (x[:, None], x.unsqueeze(1), x.reshape(x.shape[0], -1)); "
+HINT_VIEW = ("keep the atom dimension first (x[:, None], x.unsqueeze(1), x.reshape(x.shape[0], -1)); for all "
+             "pairs of atoms, declare the pair computation as a kernel with OpAdapter(op, gather_inputs=[...]) "
+             "(a halo of one cutoff) or run it on x.full_tensor(); ")
 
 
 def flat(args: tuple, kwargs: dict) -> list[Any]:
