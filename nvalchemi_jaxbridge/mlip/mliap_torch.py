@@ -27,6 +27,7 @@ import torch
 from ..layout import HaloPlan
 from ..layout.structure import checked_structure
 from ..torch import functions as F
+from ..torch.agreement import check_same_structure, layout_key
 from .edges import EdgePlan
 from .mliap import ExchangeStep, MLIAPModel, check_schedule, identity_exchange
 from .mliap_data import BlockData, MLIAPError, pair_virial, row_forces
@@ -113,7 +114,13 @@ class TorchMLIAP:
 
     def evaluate(self, positions: Any, numbers: Any, cell: Any, pbc: Any = True, *,
                  state: MLIAPTorchState | None = None, stress: bool | None = None) -> dict[str, Any]:
-        """Energy, forces, stress (when the cell has volume) and atomic energies, on every rank."""
+        """Energy, forces, stress (when the cell has volume) and atomic energies, on every rank.
+
+        Raises:
+            RankMismatchError: the ranks passed different structures (or states), named with what differs.
+        """
+        check_same_structure(positions, numbers, cell, pbc, caller="TorchDistributedMLIP.evaluate",
+                             layout=None if state is None else layout_key(state.plan, state.edges))
         state = self.prepare(positions, numbers, cell, pbc) if state is None else state
         ctx = F.context_for(state.plan)
         pos = np.asarray(positions, dtype=np.float64)

@@ -80,12 +80,13 @@ def first_fault(exits: Sequence[tuple[int, int, float]], records: Sequence[Fault
     connection dropped count when nothing else is known.
     """
     recorded = {r.rank for r in records}
+    died = {rank for rank, code, _ in exits if code != 0 and rank not in recorded}
     events = [(r.time, r.blame, r.message) for r in records if r.blame is not None]
-    events += [(t, rank, None) for rank, code, t in exits if code != 0 and rank not in recorded]
+    events += [(t, rank, None) for rank, code, t in exits if rank in died]
     if not events:
         events = [(r.time, r.rank, r.message) for r in records] or [(t, rank, None) for rank, _, t in exits]
     _, rank, message = min(events, key=lambda e: e[0])
-    return rank, message
+    return rank, None if rank in died else message  # a rank that died says most by its exit (signal, code)
 
 
 def _kill(procs: Sequence[subprocess.Popen]) -> None:
@@ -233,8 +234,10 @@ def _report(failed, done, pumps, tails, procs, fault_dir: str, out: TextIO, lock
     else:
         head = f"[launch] rank {rank} failed first: {message}; stopping the others\n"
     tail = "".join(f"[launch] | {line}\n" for line in tails[rank])
+    others = "".join(f"[launch] rank {r.rank} was at {r.where} when it stopped\n"
+                     for r in sorted(records, key=lambda r: r.rank) if r.rank != rank and r.where)
     with lock:
-        out.write(f"{head}[launch] last {len(tails[rank])} lines of rank {rank}:\n{tail}")
+        out.write(f"{head}[launch] last {len(tails[rank])} lines of rank {rank}:\n{tail}{others}")
     return code
 
 
