@@ -117,7 +117,8 @@ class TorchMLIAP:
         """Energy, forces, stress (when the cell has volume) and atomic energies, on every rank.
 
         Raises:
-            RankMismatchError: the ranks passed different structures (or states), named with what differs.
+            nvalchemi_jaxbridge.torch.agreement.RankMismatchError: the ranks passed different structures
+                (or states), named with what differs.
         """
         check_same_structure(positions, numbers, cell, pbc, caller="TorchDistributedMLIP.evaluate",
                              layout=None if state is None else layout_key(state.plan, state.edges))

@@ -296,8 +296,9 @@ class TorchDistributedMLIP:
                 The tensors view the exchanges' output buffers: clone one before writing into it.
 
         Raises:
-            RankMismatchError: the ranks passed different structures (or states); it names the ranks
-                and what differs (atom count, atomic numbers, cell, pbc, positions, layout), on every rank.
+            nvalchemi_jaxbridge.torch.agreement.RankMismatchError: the ranks passed different structures
+                (or states); it names the ranks and what differs (atom count, atomic numbers, cell, pbc,
+                positions, layout), on every rank, before any exchange.
         """
         s = self.settings
         dev = self.device  # checks the model's device on first use

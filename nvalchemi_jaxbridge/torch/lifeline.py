@@ -5,7 +5,8 @@ after its limit, and JAX aborts the survivors of a dead rank 0 (whose process ru
 JAX's coordination service) about 0.3 s after it dies, naming no rank. A socket
 closed by the operating system says more, sooner: when a rank's process ends, its end
 of the connection closes. Rank 0 listens on a free port (published in JAX's
-key-value store); every other rank connects and says its rank. A rank that leaves
+key-value store with a random token); every other rank connects and says the token
+and its rank (a connection without the token is dropped). A rank that leaves
 normally says goodbye first (`bye()`), one that ends through the watchdog has left
 a fault record; any other end of a connection is a process that died (killed,
 crashed, out of memory), and `on_lost(rank)` is called on the rank that sees it:
@@ -14,6 +15,7 @@ rank 0 for any other rank, the others for rank 0.
 
 from __future__ import annotations
 
+import secrets
 import select
 import socket
 import struct
@@ -23,6 +25,8 @@ from collections.abc import Callable
 
 _BYE = b"B"
 _CONNECT_S = 30.0
+_TOKEN = 16  # bytes
+_HELLO = _TOKEN + 4  # the token, then the rank
 
 
 class Lifeline:
@@ -31,22 +35,24 @@ class Lifeline:
     Args:
         rank, world: this process's rank and the number of processes.
         host: where the others reach rank 0 (the JAX coordinator's host).
-        publish: `publish(port)` on rank 0 makes the port known; `fetch()` on the others waits for it.
+        publish, fetch: `publish("port token")` on rank 0 makes them known; `fetch()` on the others waits for
+            that text (None: never published).
         on_lost: called, on the lifeline's thread, with the rank whose process ended without goodbye.
     """
 
-    def __init__(self, rank: int, world: int, host: str, publish: Callable[[int], None],
-                 fetch: Callable[[], int | None], on_lost: Callable[[int], None]) -> None:
+    def __init__(self, rank: int, world: int, host: str, publish: Callable[[str], None],
+                 fetch: Callable[[], str | None], on_lost: Callable[[int], None]) -> None:
         self.rank, self.world, self.host = rank, world, host
         self._publish, self._fetch, self._on_lost = publish, fetch, on_lost
         self._closing = False
+        self._token = secrets.token_bytes(_TOKEN) if rank == 0 else b""
         self._sock: socket.socket | None = None
         self._thread = threading.Thread(target=self._run, name="jaxbridge-lifeline", daemon=True)
 
     def start(self) -> Lifeline:
         if self.rank == 0:
             self._sock = _listener()
-            self._publish(self._sock.getsockname()[1])
+            self._publish(f"{self._sock.getsockname()[1]} {self._token.hex()}")
         self._thread.start()
         return self
 
@@ -67,19 +73,20 @@ class Lifeline:
 
     def _hold(self) -> None:
         """Connect to rank 0 and wait: its end of the connection closing is rank 0's process ending."""
-        port, deadline = self._fetch(), time.monotonic() + _CONNECT_S
-        if port is None:
+        published, deadline = self._fetch(), time.monotonic() + _CONNECT_S
+        if published is None:
             return
+        port, token = published.split()
         while True:
             try:
-                self._sock = socket.create_connection((self.host, port), timeout=5.0)
+                self._sock = socket.create_connection((self.host, int(port)), timeout=5.0)
                 break
             except OSError:
                 if time.monotonic() > deadline:
                     return
                 time.sleep(0.2)
         self._sock.settimeout(None)
-        self._sock.sendall(struct.pack("!i", self.rank))
+        self._sock.sendall(bytes.fromhex(token) + struct.pack("!i", self.rank))
         while True:
             try:
                 data = self._sock.recv(64)
@@ -101,13 +108,17 @@ class Lifeline:
                     conn, _ = listener.accept()
                     pending[conn] = b""
                 elif s in pending:
-                    data = s.recv(4 - len(pending[s]))
-                    if not data:
+                    try:
+                        data = s.recv(_HELLO - len(pending[s]))
+                    except OSError:
+                        data = b""
+                    got = pending[s] + data
+                    if not data or got[:_TOKEN] != self._token[:len(got)]:  # closed, or not one of ours
                         del pending[s]
                         s.close()
-                    elif len(got := pending[s] + data) == 4:
+                    elif len(got) == _HELLO:
                         del pending[s]
-                        peers[s] = struct.unpack("!i", got)[0]
+                        peers[s] = struct.unpack("!i", got[_TOKEN:])[0]
                     else:
                         pending[s] = got
                 else:

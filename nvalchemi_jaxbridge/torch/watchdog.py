@@ -105,7 +105,7 @@ class Watchdog:
         self._gone: set[int] = set()  # ranks whose process is known to have ended (no record will come)
         self._stopping = threading.Lock()  # one thread says why the rank stops; another waits for its exit
         self._lifeline = None if host is None else Lifeline(
-            rank, world, host, lambda port: self._set("lifeline", str(port)), self._lifeline_port, self._peer_gone)
+            rank, world, host, lambda text: self._set("lifeline", text), self._lifeline_address, self._peer_gone)
 
     # ---------------------------------------------------------------- life cycle
     def start(self) -> Watchdog:
@@ -118,9 +118,9 @@ class Watchdog:
             self._lifeline.start()
         return self
 
-    def _lifeline_port(self) -> int | None:
+    def _lifeline_address(self) -> str | None:
         try:
-            return int(self.client.blocking_key_value_get(_PREFIX + "lifeline", 30_000))
+            return self.client.blocking_key_value_get(_PREFIX + "lifeline", 30_000)
         except Exception:  # rank 0 never published it: the heartbeats still watch
             return None
 

@@ -330,3 +330,65 @@ def test_a_rank_that_finds_no_coordinator_names_a_world_size_mismatch_too():
     rec = join_failure(f"127.0.0.1:{port}", world=2, rank=1, timeout_s=15.0)
     assert rec.blame == 0
     assert "does not answer" in rec.message and "different WORLD_SIZE (this rank: 2)" in rec.message
+
+
+def _wait_for(cond, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_the_lifeline_names_a_rank_whose_connection_ends_without_goodbye_and_drops_strangers():
+    """Rank 0's end: a rank whose connection closes without bye() is lost, one that said bye() is not, and a
+    connection without the published token is never taken for a rank."""
+    from nvalchemi_jaxbridge.torch.lifeline import Lifeline
+
+    store, lost, lost_here = {}, [], []
+    fetch = lambda: store.get("addr")  # noqa: E731
+    zero = Lifeline(0, 3, "127.0.0.1", lambda t: store.__setitem__("addr", t), fetch, lost.append).start()
+    stranger = socket.create_connection(("127.0.0.1", int(store["addr"].split()[0])))
+    stranger.sendall(b"\0" * 20)  # the wrong token, then "rank 0"
+    one = Lifeline(1, 3, "127.0.0.1", None, fetch, lost_here.append).start()
+    two = Lifeline(2, 3, "127.0.0.1", None, fetch, lambda r: None).start()  # its own end is cut below
+    assert _wait_for(lambda: one._sock is not None and two._sock is not None)
+    time.sleep(0.3)  # rank 0 has read both hellos
+    one.bye()
+    one._sock.close()  # rank 1 leaves normally
+    stranger.close()
+    two._sock.shutdown(socket.SHUT_RDWR)  # rank 2's process "dies"
+    assert _wait_for(lambda: lost == [2]), lost
+    time.sleep(0.3)
+    assert lost == [2] and lost_here == [], (lost, lost_here)  # rank 1 said goodbye: nobody lost
+    zero._sock.close()
+
+
+def test_a_rank_names_rank_0_when_rank_0_s_end_closes():
+    from nvalchemi_jaxbridge.torch.lifeline import Lifeline
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        lost = []
+        one = Lifeline(1, 2, "127.0.0.1", None, lambda: f"{server.getsockname()[1]} {'ab' * 16}", lost.append)
+        one.start()
+        conn, _ = server.accept()
+        assert conn.recv(20)[:16] == bytes.fromhex("ab" * 16)
+        conn.close()  # rank 0's process ends
+        assert _wait_for(lambda: lost == [0]), lost
+
+
+def test_which_exceptions_carried_into_shutdown_are_failures_and_process_liveness():
+    assert faults.is_failure(RuntimeError("x")) and faults.is_failure(KeyboardInterrupt())
+    assert faults.is_failure(SystemExit(2)) and not faults.is_failure(SystemExit(0))
+    assert not faults.is_failure(None) and not faults.is_failure(StopIteration())
+    import os
+    import subprocess
+    import sys
+
+    assert faults.process_alive(os.getpid()) is True
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()  # reaped: gone
+    assert faults.process_alive(p.pid) is False
