@@ -113,6 +113,23 @@ def process_alive(pid: int) -> bool | None:
     return state not in ("Z", "X")
 
 
+def process_tag() -> str:
+    """'host pid' of this process, which peers on the same host read to tell whether it still runs."""
+    return f"{socket.gethostname()} {os.getpid()}"
+
+
+def ended_processes(tags: Mapping[int, str]) -> tuple[list[int], list[int]]:
+    """(ranks whose process has ended, ranks that cannot be told from here: another host, or no /proc) of
+    `{rank: process_tag()}`."""
+    host, ended, unknown = socket.gethostname(), [], []
+    for r, tag in sorted(tags.items()):
+        name, _, pid = tag.partition(" ")
+        alive = process_alive(int(pid)) if name == host and pid.isdigit() else None
+        if alive is not True:
+            (ended if alive is False else unknown).append(r)
+    return ended, unknown
+
+
 def is_failure(exc: BaseException | None) -> bool:
     """Whether an exception a rank carries into `shutdown()` (in a `finally` or `except` block) is a failure:
     an `Exception` or `KeyboardInterrupt`, or `SystemExit` with an error code; not the end of an iteration."""

@@ -16,14 +16,19 @@ rank, when
   after its timeout); the others see the record within a second and leave too;
 - a rank stalled: its position has not changed for `watchdog_s` seconds in its
   own code (e.g. inside a kernel) while another rank waits in JAX for it;
-- a rank went silent: no heartbeat for `watchdog_s` seconds (killed, frozen, or
-  holding the GIL in native code: such a rank cannot speak, the others notice;
-  10 s once this rank is in `shutdown()`, where it only waits);
+- a rank's process died: named at once through the lifeline to rank 0
+  (`torch/lifeline.py`; rank 0 too, before JAX aborts its peers), or when a
+  collective loses its connection (the peer's pid on this host, else its heartbeats);
+- a rank went silent: no heartbeat for `watchdog_s` seconds (frozen, or holding
+  the GIL in native code: such a rank cannot speak, the others notice; 10 s once
+  this rank is in `shutdown()`, where it only waits);
 - a rank left early: it reached `shutdown()` (or the end of its script) while
   the others have waited in JAX for `watchdog_s` seconds.
 
 `shutdown()` first waits here until every rank has arrived, so JAX's own
-shutdown barrier never waits for a rank that failed.
+shutdown barrier never waits for a rank that failed; called with an exception in
+flight (in a `finally`), it ends the job as an uncaught exception does. A rank
+that stops because another failed says where its own program was.
 
 A long computation inside one JAX program (a `lax.scan` over many steps) is not
 a stall: every rank then waits in JAX. Under the project's launcher each rank
@@ -38,7 +43,6 @@ import atexit
 import dataclasses
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -51,9 +55,10 @@ from .faults import (
     PEER_EXIT,
     STALL_EXIT,
     FaultRecord,
+    ended_processes,
     is_failure,
     peer_lost,
-    process_alive,
+    process_tag,
     say,
     summary,
     write_fault_file,
@@ -112,7 +117,7 @@ class Watchdog:
         """Install the excepthook and an atexit `finish`, and start the heartbeat thread."""
         sys.excepthook = self._excepthook
         atexit.register(self.finish)  # runs before JAX's own atexit shutdown (registered earlier)
-        self._set(f"proc/{self.rank}", f"{socket.gethostname()} {os.getpid()}")  # how peers tell it died
+        self._set(f"proc/{self.rank}", process_tag())  # how peers tell it died
         self._thread.start()
         if self._lifeline is not None:
             self._lifeline.start()
@@ -295,23 +300,23 @@ class Watchdog:
                        publish=r != 0)  # rank 0's store went with it
 
     def _dead_peers(self) -> list[int]:
-        """The other ranks whose process is gone: by pid on this host, else by heartbeats that stopped
-        (waits about two heartbeats). Rank 0 if the store (in rank 0's process) cannot be reached."""
-        procs = self._read("proc")
+        """The other ranks (not done) whose process is gone: by pid on this host (a killed process's sockets
+        may close before it ends: looked at for up to a second), else by heartbeats that stopped (about two
+        heartbeats). Rank 0 if the store (in rank 0's process) cannot be reached."""
+        procs, done = self._read("proc"), self._read("done") or {}
         if procs is None:
             return [0] if self.rank != 0 else []
-        host, dead, unknown = socket.gethostname(), [], []
-        for r, v in procs.items():
-            name, _, pid = v.partition(" ")
-            alive = process_alive(int(pid)) if name == host and pid.isdigit() else None
-            if r != self.rank and alive is not True:
-                (dead if alive is False else unknown).append(r)
-        if unknown:
-            done = self._read("done") or {}
-            before = {r: v for r, v in (self._read("hb") or {}).items() if r in unknown and r not in done}
-            time.sleep(2.5 * self.interval)
+        tags = {r: v for r, v in procs.items() if r != self.rank and r not in done}
+        before = self._read("hb") or {}
+        deadline = time.monotonic() + max(1.0, 2.5 * self.interval)
+        while True:
+            dead, unknown = ended_processes(tags)
+            if dead or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if unknown and not dead:
             after = self._read("hb") or {}
-            dead += [r for r, v in before.items() if after.get(r) == v]
+            dead = [r for r in unknown if r in before and after.get(r) == before[r]]
         return sorted(dead)
 
     def _check_silent(self, entries: dict[str, dict[int, str]], now: float, limit: float) -> None:
