@@ -34,6 +34,7 @@ from .faults import ENV_FAULT_DIR, FaultRecord, read_fault_files
 
 TIMEOUT_EXIT = 124
 OWN_EXIT_S = 5.0  # how long a rank that recorded its own fault may take to exit before it is stopped
+OTHERS_S = 3.0  # how long the other ranks may take to stop by themselves (their records say where they were)
 TAIL_LINES = 20
 
 
@@ -220,15 +221,25 @@ def _report(failed, done, pumps, tails, procs, fault_dir: str, out: TextIO, lock
     records = read_fault_files(fault_dir)
     rank, message = first_fault(done, records)
     codes = dict(failed)
-    if rank not in codes and any(r.rank == rank for r in records):
-        try:  # it recorded its own fault and is on its way out (a peer noticed first): its code is the job's
-            codes[rank] = procs[rank].wait(timeout=OWN_EXIT_S)
+    own = any(r.rank == rank for r in records)
+    if rank not in codes:
+        try:  # on its way out (a peer noticed first): its code is the job's; a rank without a record of its
+            # own that died (killed) a moment ago says most by its exit
+            codes[rank] = procs[rank].wait(timeout=OWN_EXIT_S if own else 0.5)
+            message = message if own or codes[rank] == 0 else None
         except subprocess.TimeoutExpired:
             pass
     if rank not in codes and procs[rank].poll() is None:  # stalled and still running: stop it, so its
         _kill([procs[rank]])  # last lines are complete
     pumps[rank].join(timeout=2.0)
     code = _exit_code(codes.get(rank, failed[0][1]))
+    deadline = time.monotonic() + OTHERS_S  # the others stop by themselves within a second: their records
+    for p in procs:  # say where each was
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    records = read_fault_files(fault_dir)
     if message is None:
         head = f"[launch] rank {rank} {_describe(codes.get(rank, failed[0][1]))} first; stopping the others\n"
     else:
