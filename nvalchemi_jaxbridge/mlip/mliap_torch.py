@@ -29,6 +29,7 @@ from ..layout.finite import check_structure
 from ..layout.structure import checked_structure
 from ..lower.finite import check_results
 from ..torch import functions as F
+from ..torch.agreement import check_same_structure, layout_key
 from .edges import EdgePlan
 from .guards import explain
 from .mliap import ExchangeStep, MLIAPModel, check_schedule, identity_exchange
@@ -137,7 +138,14 @@ class TorchMLIAP:
 
     def evaluate(self, positions: Any, numbers: Any, cell: Any, pbc: Any = True, *,
                  state: MLIAPTorchState | None = None, stress: bool | None = None) -> dict[str, Any]:
-        """Energy, forces, stress (when the cell has volume) and atomic energies, on every rank."""
+        """Energy, forces, stress (when the cell has volume) and atomic energies, on every rank.
+
+        Raises:
+            nvalchemi_jaxbridge.torch.agreement.RankMismatchError: the ranks passed different structures
+                (or states), named with what differs.
+        """
+        check_same_structure(positions, numbers, cell, pbc, caller="TorchDistributedMLIP.evaluate",
+                             layout=None if state is None else layout_key(state.plan, state.edges))
         check_structure("TorchDistributedMLIP.evaluate", positions, cell)  # also with state= (no prepare)
         if state is None:
             state, pos = self.prepare(positions, numbers, cell, pbc), np.asarray(positions, dtype=np.float64)

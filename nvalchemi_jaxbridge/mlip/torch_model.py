@@ -36,6 +36,7 @@ from ..lower.finite import check_results
 from ..lower import exchange as X
 from ..spec import AdapterRegistry, ModuleForwardAdapter
 from ..torch import functions as F
+from ..torch.agreement import check_same_structure, layout_key
 from ..torch.layer_exchange import fold_halo, refresh_halo
 from .edges import EdgePlan
 from .guards import explain
@@ -316,9 +317,17 @@ class TorchDistributedMLIP:
                 (0-d), forces, atomic energies, virial and stress as detached torch tensors on the
                 rank's device (`self.device`), with no copy to the host; `owned_ids` stays numpy.
                 The tensors view the exchanges' output buffers: clone one before writing into it.
+
+        Raises:
+            nvalchemi_jaxbridge.torch.agreement.RankMismatchError: the ranks passed different structures
+                (or states); it names the ranks and what differs (atom count, atomic numbers, cell, pbc,
+                positions, layout), on every rank, before any exchange.
         """
         s = self.settings
         dev = self.device  # checks the model's device on first use
+        # every rank the same structure, before any exchange whose size depends on it (one small all-gather)
+        check_same_structure(positions, numbers, cell, pbc, caller="TorchDistributedMLIP.evaluate",
+                             layout=None if state is None else layout_key(state.plan, state.edges))
         check_structure("TorchDistributedMLIP.evaluate", positions, cell)  # also with state= (no prepare)
         if state is None:
             state, pos = self.prepare(positions, numbers, cell, pbc), np.asarray(positions, dtype=np.float64)

@@ -401,7 +401,8 @@ def initialize(
             timer.cancel()
         client = jax_distributed.global_state.client
         if client is not None:  # None only where a test stands in for jax.distributed
-            _STATE["watchdog"] = watchdog.Watchdog(client, rank, world, limit).start()
+            _STATE["watchdog"] = watchdog.Watchdog(client, rank, world, limit,
+                                                          host=coord.rsplit(":", 1)[0].strip("[]")).start()
             faults.check_world_size(client, world, rank, timeout_s)
     info = ProcessInfo(rank, world, local, coord, plat, source)
     _STATE["info"] = info

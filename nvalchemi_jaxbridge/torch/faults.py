@@ -42,6 +42,7 @@ class FaultRecord:
     time: float
     kind: str  # "raised", "stalled", "silent" or "join"
     message: str
+    where: str = ""  # where this rank's program was when it stopped because of another rank ("": not known)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -98,6 +99,45 @@ def read_fault_files(folder: str | os.PathLike) -> list[FaultRecord]:
 def peer_lost(message: str) -> bool:
     """Whether an error only says a peer's connection dropped (the peer is the cause)."""
     return any(words in message for words in _PEER_LOST)
+
+
+def process_alive(pid: int) -> bool | None:
+    """Whether process `pid` on this host still runs (a zombie does not); None where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        return None
+    return state not in ("Z", "X")
+
+
+def process_tag() -> str:
+    """'host pid' of this process, which peers on the same host read to tell whether it still runs."""
+    return f"{socket.gethostname()} {os.getpid()}"
+
+
+def ended_processes(tags: Mapping[int, str]) -> tuple[list[int], list[int]]:
+    """(ranks whose process has ended, ranks that cannot be told from here: another host, or no /proc) of
+    `{rank: process_tag()}`."""
+    host, ended, unknown = socket.gethostname(), [], []
+    for r, tag in sorted(tags.items()):
+        name, _, pid = tag.partition(" ")
+        alive = process_alive(int(pid)) if name == host and pid.isdigit() else None
+        if alive is not True:
+            (ended if alive is False else unknown).append(r)
+    return ended, unknown
+
+
+def is_failure(exc: BaseException | None) -> bool:
+    """Whether an exception a rank carries into `shutdown()` (in a `finally` or `except` block) is a failure:
+    an `Exception` or `KeyboardInterrupt`, or `SystemExit` with an error code; not the end of an iteration."""
+    if exc is None or isinstance(exc, (StopIteration, StopAsyncIteration)):
+        return False
+    if isinstance(exc, SystemExit):
+        return exc.code not in (None, 0)
+    return isinstance(exc, (Exception, KeyboardInterrupt))
 
 
 def say(text: str) -> None:

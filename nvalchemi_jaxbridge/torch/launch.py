@@ -34,6 +34,7 @@ from .faults import ENV_FAULT_DIR, FaultRecord, read_fault_files
 
 TIMEOUT_EXIT = 124
 OWN_EXIT_S = 5.0  # how long a rank that recorded its own fault may take to exit before it is stopped
+OTHERS_S = 3.0  # how long the other ranks may take to stop by themselves (their records say where they were)
 TAIL_LINES = 20
 
 
@@ -80,12 +81,13 @@ def first_fault(exits: Sequence[tuple[int, int, float]], records: Sequence[Fault
     connection dropped count when nothing else is known.
     """
     recorded = {r.rank for r in records}
+    died = {rank for rank, code, _ in exits if code != 0 and rank not in recorded}
     events = [(r.time, r.blame, r.message) for r in records if r.blame is not None]
-    events += [(t, rank, None) for rank, code, t in exits if code != 0 and rank not in recorded]
+    events += [(t, rank, None) for rank, code, t in exits if rank in died]
     if not events:
         events = [(r.time, r.rank, r.message) for r in records] or [(t, rank, None) for rank, _, t in exits]
     _, rank, message = min(events, key=lambda e: e[0])
-    return rank, message
+    return rank, None if rank in died else message  # a rank that died says most by its exit (signal, code)
 
 
 def _kill(procs: Sequence[subprocess.Popen]) -> None:
@@ -219,22 +221,34 @@ def _report(failed, done, pumps, tails, procs, fault_dir: str, out: TextIO, lock
     records = read_fault_files(fault_dir)
     rank, message = first_fault(done, records)
     codes = dict(failed)
-    if rank not in codes and any(r.rank == rank for r in records):
-        try:  # it recorded its own fault and is on its way out (a peer noticed first): its code is the job's
-            codes[rank] = procs[rank].wait(timeout=OWN_EXIT_S)
+    own = any(r.rank == rank for r in records)
+    if rank not in codes:
+        try:  # on its way out (a peer noticed first): its code is the job's; a rank without a record of its
+            # own that died (killed) a moment ago says most by its exit
+            codes[rank] = procs[rank].wait(timeout=OWN_EXIT_S if own else 0.5)
+            message = message if own or codes[rank] == 0 else None
         except subprocess.TimeoutExpired:
             pass
     if rank not in codes and procs[rank].poll() is None:  # stalled and still running: stop it, so its
         _kill([procs[rank]])  # last lines are complete
     pumps[rank].join(timeout=2.0)
     code = _exit_code(codes.get(rank, failed[0][1]))
+    deadline = time.monotonic() + OTHERS_S  # the others stop by themselves within a second: their records
+    for p in procs:  # say where each was
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    records = read_fault_files(fault_dir)
     if message is None:
         head = f"[launch] rank {rank} {_describe(codes.get(rank, failed[0][1]))} first; stopping the others\n"
     else:
         head = f"[launch] rank {rank} failed first: {message}; stopping the others\n"
     tail = "".join(f"[launch] | {line}\n" for line in tails[rank])
+    others = "".join(f"[launch] rank {r.rank} was at {r.where} when it stopped\n"
+                     for r in sorted(records, key=lambda r: r.rank) if r.rank != rank and r.where)
     with lock:
-        out.write(f"{head}[launch] last {len(tails[rank])} lines of rank {rank}:\n{tail}")
+        out.write(f"{head}[launch] last {len(tails[rank])} lines of rank {rank}:\n{tail}{others}")
     return code
 
 

@@ -16,14 +16,19 @@ rank, when
   after its timeout); the others see the record within a second and leave too;
 - a rank stalled: its position has not changed for `watchdog_s` seconds in its
   own code (e.g. inside a kernel) while another rank waits in JAX for it;
-- a rank went silent: no heartbeat for `watchdog_s` seconds (killed, frozen, or
-  holding the GIL in native code: such a rank cannot speak, the others notice;
-  10 s once this rank is in `shutdown()`, where it only waits);
+- a rank's process died: named at once through the lifeline to rank 0
+  (`torch/lifeline.py`; rank 0 too, before JAX aborts its peers), or when a
+  collective loses its connection (the peer's pid on this host, else its heartbeats);
+- a rank went silent: no heartbeat for `watchdog_s` seconds (frozen, or holding
+  the GIL in native code: such a rank cannot speak, the others notice; 10 s once
+  this rank is in `shutdown()`, where it only waits);
 - a rank left early: it reached `shutdown()` (or the end of its script) while
   the others have waited in JAX for `watchdog_s` seconds.
 
 `shutdown()` first waits here until every rank has arrived, so JAX's own
-shutdown barrier never waits for a rank that failed.
+shutdown barrier never waits for a rank that failed; called with an exception in
+flight (in a `finally`), it ends the job as an uncaught exception does. A rank
+that stops because another failed says where its own program was.
 
 A long computation inside one JAX program (a `lax.scan` over many steps) is not
 a stall: every rank then waits in JAX. Under the project's launcher each rank
@@ -50,11 +55,15 @@ from .faults import (
     PEER_EXIT,
     STALL_EXIT,
     FaultRecord,
+    ended_processes,
+    is_failure,
     peer_lost,
+    process_tag,
     say,
     summary,
     write_fault_file,
 )
+from .lifeline import Lifeline
 
 _PREFIX = "nvalchemi_jaxbridge/watchdog/"
 _DONE_SILENT_S = 10.0  # in shutdown(), a peer silent this long is taken for dead (JAX would abort later)
@@ -79,9 +88,11 @@ class Watchdog:
         rank: this process's rank.
         world: the number of processes.
         watchdog_s: stall and silence limit in seconds (0: only failures end the job).
+        host: where the other ranks reach rank 0 (the JAX coordinator's host), for the lifeline
+            (`torch/lifeline.py`) that names a rank whose process died at once; None: no lifeline.
     """
 
-    def __init__(self, client: Any, rank: int, world: int, watchdog_s: float):
+    def __init__(self, client: Any, rank: int, world: int, watchdog_s: float, host: str | None = None):
         import jax
         import jaxlib
 
@@ -96,20 +107,45 @@ class Watchdog:
         self._started = time.monotonic()
         self._previous_hook = sys.excepthook
         self._thread = threading.Thread(target=self._run, name="jaxbridge-watchdog", daemon=True)
+        self._gone: set[int] = set()  # ranks whose process is known to have ended (no record will come)
+        self._stopping = threading.Lock()  # one thread says why the rank stops; another waits for its exit
+        self._lifeline = None if host is None else Lifeline(
+            rank, world, host, lambda text: self._set("lifeline", text), self._lifeline_address, self._peer_gone)
 
     # ---------------------------------------------------------------- life cycle
     def start(self) -> Watchdog:
         """Install the excepthook and an atexit `finish`, and start the heartbeat thread."""
         sys.excepthook = self._excepthook
         atexit.register(self.finish)  # runs before JAX's own atexit shutdown (registered earlier)
+        self._set(f"proc/{self.rank}", process_tag())  # how peers tell it died
         self._thread.start()
+        if self._lifeline is not None:
+            self._lifeline.start()
         return self
 
+    def _lifeline_address(self) -> str | None:
+        try:
+            return self.client.blocking_key_value_get(_PREFIX + "lifeline", 30_000)
+        except Exception:  # rank 0 never published it: the heartbeats still watch
+            return None
+
     def finish(self) -> None:
-        """Mark this rank done and wait until every rank is (a failure meanwhile ends the process)."""
+        """Mark this rank done and wait until every rank is (a failure meanwhile ends the process).
+
+        Called with an exception in flight (`shutdown()` in a `finally` or `except` block), the rank has
+        failed: the exception is printed and the job ends as for an uncaught one, instead of this rank
+        waiting, its error unsaid, for ranks that may never come.
+        """
         if self._done or not self._thread.is_alive():
             return
+        if is_failure(exc := sys.exception()):
+            when = time.time()
+            traceback.print_exception(exc)
+            say(f"[jaxbridge] rank {self.rank} called shutdown() with the exception above in flight")
+            self._raised(exc, when)
         self._done = True
+        if self._lifeline is not None:
+            self._lifeline.bye()
         self._set(f"done/{self.rank}", "1")
         self._count_done()
         while True:
@@ -234,7 +270,54 @@ class Watchdog:
             code = STALL_EXIT
             if frame is not None:
                 say(f"[jaxbridge] rank {self.rank} has stalled here:\n" + _stack(frame))
-        self._stop_job(dataclasses.replace(first, rank=self.rank), code)
+        # where the main thread is, seen from another thread (in the excepthook it is where it raised)
+        where = self._where() if threading.current_thread() is not threading.main_thread() else ""
+        self._stop_job(dataclasses.replace(first, rank=self.rank, where=where), code)
+
+    def _where(self) -> str:
+        """Where this rank's program is and for how long, for a record ("" before the first heartbeat)."""
+        if self._last is None:
+            return ""
+        pos, _ = self._position()
+        still = time.monotonic() - self._last[1]
+        what = "waiting in JAX" if pos.waiting else "in its own code"
+        return f"{pos.where} ({what} for {still:.0f} s)"
+
+    def _peer_gone(self, r: int) -> None:
+        """Rank `r`'s process ended without goodbye (`torch/lifeline.py`): name it and end the job."""
+        if self._stop.is_set():
+            return
+        if r != 0:  # rank 0 reads its own store: did `r` leave a record, or finish?
+            if r in (fails := self._read("fail") or {}):
+                self._check_failures(fails)
+            if r in (self._read("done") or {}):
+                return
+        self._gone.add(r)
+        other = "rank 0" if r != 0 else f"rank {self.rank}"
+        message = (f"rank {r}'s process is gone: its connection to {other} closed without shutdown() (killed, "
+                   f"crashed, out of memory; see rank {r}'s log)")
+        self._stop_job(FaultRecord(self.rank, r, time.time(), "silent", message, where=self._where()), PEER_EXIT,
+                       publish=r != 0)  # rank 0's store went with it
+
+    def _dead_peers(self) -> list[int]:
+        """The other ranks (not done) whose process is gone: by pid on this host (a killed process's sockets
+        may close before it ends: looked at for up to a second), else by heartbeats that stopped (about two
+        heartbeats). Rank 0 if the store (in rank 0's process) cannot be reached."""
+        procs, done = self._read("proc"), self._read("done") or {}
+        if procs is None:
+            return [0] if self.rank != 0 else []
+        tags = {r: v for r, v in procs.items() if r != self.rank and r not in done}
+        before = self._read("hb") or {}
+        deadline = time.monotonic() + max(1.0, 2.5 * self.interval)
+        while True:
+            dead, unknown = ended_processes(tags)
+            if dead or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if unknown and not dead:
+            after = self._read("hb") or {}
+            dead = [r for r in unknown if r in before and after.get(r) == before[r]]
+        return sorted(dead)
 
     def _check_silent(self, entries: dict[str, dict[int, str]], now: float, limit: float) -> None:
         for r in range(self.world) if self.rank == 0 else (0,):
@@ -280,28 +363,46 @@ class Watchdog:
         """Print the error as Python does, then end this rank at once and tell the others."""
         when = time.time()
         self._previous_hook(etype, value, tb)
+        self._raised(value, when)
+
+    def _raised(self, value: BaseException, when: float) -> None:
+        """End the job for an exception this rank raised at `when` (already printed), naming its cause."""
         if (fails := self._read("fail")) is not None:
             self._check_failures(fails)  # this error follows another rank's: name that one
-        text = "".join(traceback.format_exception_only(etype, value)).strip()
-        line = summary(text, etype.__name__)
-        if peer_lost(text):  # a consequence: the peer that vanished is at fault (the launcher names it)
-            message = f"rank {self.rank} lost a peer's connection ({line})"
-            self._stop_job(FaultRecord(self.rank, None, when, "raised", message), PEER_EXIT)
+        text = "".join(traceback.format_exception_only(type(value), value)).strip()
+        line = summary(text, type(value).__name__)
+        if peer_lost(text):  # a consequence: the peer that vanished is at fault
+            dead = self._dead_peers()
+            self._gone.update(dead)
+            if dead:
+                who = f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))}"
+                message = (f"rank {self.rank} lost its connection to {who}, whose process is gone (killed, "
+                           f"crashed, out of memory; see its log) ({line})")
+            else:
+                message = f"rank {self.rank} lost a peer's connection ({line})"
+            self._stop_job(FaultRecord(self.rank, dead[0] if dead else None, when, "silent" if dead else "raised",
+                                       message), PEER_EXIT)
         self._stop_job(FaultRecord(self.rank, self.rank, when, "raised", f"rank {self.rank} raised {line}"),
                        FAILED_EXIT)
 
-    def _stop_job(self, record: FaultRecord, code: int) -> None:
-        """Publish `record`, leave it for the launcher, say it, and `os._exit(code)` (no shutdown barrier)."""
+    def _stop_job(self, record: FaultRecord, code: int, *, publish: bool = True) -> None:
+        """Publish `record` (unless the store is gone), leave it for the launcher, say it, and `os._exit(code)`
+        (no shutdown barrier). A second caller, on another thread, waits for the first one's exit."""
+        if not self._stopping.acquire(blocking=False):
+            while True:
+                time.sleep(1.0)
         self._stop.set()
-        self._set(f"fail/{self.rank}", record.to_json())
+        if publish:
+            self._set(f"fail/{self.rank}", record.to_json())
         write_fault_file(record)
-        say(f"[jaxbridge] {record.message}\n[jaxbridge] rank {self.rank} exits with {code} at once: "
+        here = f"\n[jaxbridge] rank {self.rank} was at {record.where} when it stopped" if record.where else ""
+        say(f"[jaxbridge] {record.message}{here}\n[jaxbridge] rank {self.rank} exits with {code} at once: "
              "every rank stops (jax.distributed's shutdown barrier would wait for the failed rank in vain)")
         if self.rank == 0:  # the others read the store in this process: give them a moment
             deadline = time.monotonic() + _LINGER_S
             while time.monotonic() < deadline:
                 fails = self._read("fail")
-                if fails is None or len(fails) + self._done_count() >= self.world:
+                if fails is None or len(fails.keys() | self._gone) + self._done_count() >= self.world:
                     break
                 time.sleep(0.05)
         os._exit(code)

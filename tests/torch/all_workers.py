@@ -3,7 +3,7 @@
     python -m nvalchemi_jaxbridge.torch.launch -n 2 tests/torch/all_workers.py OUT_DIR [cpu|gpu]
 
 Runs tests/torch/worker.py, exchange_worker.py, on 2 ranks meaning_worker.py, on the CPU the model level's
-tests/mlip/torch_worker.py and mliap_worker.py (their cases for this world size) and, under real torchrun, torchrun_worker.py
+tests/mlip/torch_worker.py, mliap_worker.py and agree_worker.py (their cases for this world size) and, under real torchrun, torchrun_worker.py
 in turn, each writing its JSON into OUT_DIR/<name>/. Importing and starting torch, JAX and gloo cost most of
 a small launch (about 6 CPU-s a rank), and the CI machine has 2 cores, so the suite pays for them once per
 world size (tests/_launch.py: front_door_run; torchrun starts the 2-process job).
@@ -31,6 +31,7 @@ if platform == "cpu":  # the CPU-only workers
         WORKERS["meaning_worker"] = ("tests.torch.meaning_worker", [])
     WORKERS["mlip"] = ("tests.mlip.torch_worker", [])
     WORKERS["mliap"] = ("tests.mlip.mliap_worker", [])
+    WORKERS["agree"] = ("tests.mlip.agree_worker", [])
 if "TORCHELASTIC_RUN_ID" in os.environ:  # started by real torchrun: its checks (tests/torch/test_torchrun.py)
     WORKERS["torchrun"] = ("tests.torch.torchrun_worker", ["lj"])
 

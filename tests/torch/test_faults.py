@@ -2,12 +2,12 @@
 
 Each case launches the tiny worker below on 2 ranks with the project's launcher: a
 jitted step whose "kernel" is a host callback, then a collective (an all-gather), a
-few times. One rank misbehaves: its kernel sleeps for ever (stall), raises, or the
-process kills itself; or the job cannot form: the launcher's --port, handed to
-JAX's coordinator, is taken; a rank (1, or 0) has another world size; a rank
-never joins. The watchdog limit is 4 s and the
-join timeout 15 s, so the module stays fast; the seven launches run side by side (they
-mostly wait). Each test checks the exit code, the launcher's verdict (the rank at
+few times, the loop inside `try: ... finally: shutdown()`. One rank misbehaves: its kernel sleeps for ever
+(stall), raises, or the process kills itself (rank 1, or rank 0, whose process runs JAX's coordination
+service); rank 1 raises in its loop while rank 0 stands still in its own code; or the job cannot form: the
+launcher's --port, handed to JAX's coordinator, is taken; a rank (1, or 0) has another world size; a rank
+never joins. The watchdog limit is 4 s and the join timeout 15 s, so the module stays fast; the nine
+launches run side by side (they mostly wait). Each test checks the exit code, the launcher's verdict (the rank at
 fault, by time of fault), the original error in the log, no SIGABRT cascade, and the
 time from the fault to the launcher's return (printed with -s).
 """
@@ -58,22 +58,34 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.experimental import multihost_utils
 
 def kernel(x):
-    if bad and step == 2:
+    if rank == (0 if mode == "kill0" else 1) and step == 2:
         print("FAULT", time.time(), flush=True)
         if mode == "stall":
             time.sleep(1e6)
         if mode == "raise":
             raise RuntimeError("boom in rank 1's kernel")
-        if mode == "kill":
+        if mode in ("kill", "kill0"):
             os.kill(os.getpid(), signal.SIGKILL)
     return np.asarray(x) * 2
 
 op = jax.jit(lambda x: jax.pure_callback(kernel, jax.ShapeDtypeStruct((3,), jnp.float32), x))
-for step in range(4):
-    y = op(jnp.full((3,), float(rank + step), jnp.float32))
-    total = multihost_utils.process_allgather(y).sum()
-    print("step", step, float(total), flush=True)
-distributed.shutdown()
+
+def loop():
+    global step
+    for step in range(4):
+        if mode == "raise_stall" and step == 2:  # rank 1 raises in its own code while rank 0 stands still in its own
+            print("FAULT", time.time(), flush=True)
+            if bad:
+                raise RuntimeError("boom in rank 1's loop")
+            time.sleep(1e6)
+        y = op(jnp.full((3,), float(rank + step), jnp.float32))
+        total = multihost_utils.process_allgather(y).sum()
+        print("step", step, float(total), flush=True)
+
+try:
+    loop()
+finally:  # the usual script's shape: leave jax.distributed however the loop ends
+    distributed.shutdown()
 print("DONE", flush=True)
 '''
 
@@ -107,12 +119,12 @@ def _run(tmp: pathlib.Path, mode: str, master_port: int | None = None) -> Outcom
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
-    """All seven launches side by side (each mostly waits for a timeout)."""
+    """All nine launches side by side (each mostly waits for a timeout)."""
     with socket.socket() as taken:  # someone else holds the port given to the launcher's --port
         taken.bind(("0.0.0.0", 0))
         taken.listen()
         cases = {"stall": None, "raise": None, "kill": None, "busy": taken.getsockname()[1], "world": None,
-                 "world0": None, "join": None}
+                 "world0": None, "join": None, "raise_stall": None, "kill0": None}
         with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
             futures = {m: pool.submit(_run, tmp_path_factory.mktemp(m), m, port) for m, port in cases.items()}
             got = {m: f.result() for m, f in futures.items()}
@@ -154,10 +166,39 @@ def test_a_rank_that_raises_ends_every_rank_promptly_with_its_error(outcomes):
 
 
 @_launched
+def test_a_rank_that_raises_while_its_peer_stands_still_is_named_with_its_error_and_the_peer_with_its_place(
+        outcomes):
+    """Rank 1 raises in its loop and leaves through shutdown() in a `finally`; rank 0 sleeps in its own code.
+    Before: rank 1 waited in shutdown() with its error unsaid, and rank 0 was judged stalled at the limit."""
+    o = outcomes["raise_stall"]
+    assert "[launch] rank 1 failed first: rank 1 raised RuntimeError: boom in rank 1's loop" in _verdict(o.log), o.log
+    assert "[rank 1] RuntimeError: boom in rank 1's loop" in o.log  # its traceback, printed at once
+    assert "rank 1 called shutdown() with the exception above in flight" in o.log
+    assert re.search(r"\[launch\] rank 0 was at \S+fault_worker.py:\d+ in loop \(in its own code for \d+ s\) when it "
+                     "stopped", o.log), o.log
+    assert "has not moved" not in o.log  # ended by rank 1's error, not by the stall limit
+    assert o.code == faults.FAILED_EXIT and o.seconds < 10, (o.code, o.seconds)
+    _no_abort(o)
+
+
+@_launched
 def test_a_killed_rank_is_named_and_the_survivor_leaves_at_once(outcomes):
     o = outcomes["kill"]
     assert _verdict(o.log).startswith("[launch] rank 1 exited with 137 (killed by SIGKILL) first"), o.log
-    assert re.search(r"\[rank 0\] \[jaxbridge\] rank 0 (lost a peer's connection|exits with 75)", o.log), o.log
+    assert re.search(r"\[rank 0\] \[jaxbridge\] (rank 0 lost its connection to rank 1, whose process is gone|"
+                     r"rank 1's process is gone)", o.log), o.log
+    assert o.code == 137 and o.seconds < 10, (o.code, o.seconds)
+    _no_abort(o)
+
+
+@_launched
+def test_a_killed_rank_0_is_named_by_the_survivor_before_jax_aborts_it(outcomes):
+    """Rank 0's process runs JAX's coordination service: JAX aborted the survivors 0.3 s after it died, naming
+    no rank; the lifeline names it first."""
+    o = outcomes["kill0"]
+    assert _verdict(o.log).startswith("[launch] rank 0 exited with 137 (killed by SIGKILL) first"), o.log
+    assert re.search(r"\[rank 1\] \[jaxbridge\] (rank 0's process is gone: its connection to rank 1 closed without "
+                     r"shutdown\(\)|rank 1 lost its connection to rank 0, whose process is gone)", o.log), o.log
     assert o.code == 137 and o.seconds < 10, (o.code, o.seconds)
     _no_abort(o)
 
@@ -263,6 +304,8 @@ def test_the_launcher_names_the_fault_that_began_first_not_the_first_exit():
     assert first_fault([(0, 75, 3.2), (1, 1, 3.5)], [copy, raised]) == (1, raised.message)
     lost = FaultRecord(0, None, 9.99, "raised", "rank 0 lost a peer's connection")  # a consequence
     assert first_fault([(0, 75, 10.5), (1, -9, 10.01)], [lost]) == (1, None)  # the killed rank
+    gone = FaultRecord(0, 1, 9.99, "silent", "rank 1's process is gone")  # the survivor named it first
+    assert first_fault([(0, 75, 10.5), (1, -9, 10.01)], [gone]) == (1, None)  # its exit says more (the signal)
     assert first_fault([(2, 3, 1.0), (0, 1, 2.0)], []) == (2, None)  # no records: the first exit
 
 
@@ -287,3 +330,65 @@ def test_a_rank_that_finds_no_coordinator_names_a_world_size_mismatch_too():
     rec = join_failure(f"127.0.0.1:{port}", world=2, rank=1, timeout_s=15.0)
     assert rec.blame == 0
     assert "does not answer" in rec.message and "different WORLD_SIZE (this rank: 2)" in rec.message
+
+
+def _wait_for(cond, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_the_lifeline_names_a_rank_whose_connection_ends_without_goodbye_and_drops_strangers():
+    """Rank 0's end: a rank whose connection closes without bye() is lost, one that said bye() is not, and a
+    connection without the published token is never taken for a rank."""
+    from nvalchemi_jaxbridge.torch.lifeline import Lifeline
+
+    store, lost, lost_here = {}, [], []
+    fetch = lambda: store.get("addr")  # noqa: E731
+    zero = Lifeline(0, 3, "127.0.0.1", lambda t: store.__setitem__("addr", t), fetch, lost.append).start()
+    stranger = socket.create_connection(("127.0.0.1", int(store["addr"].split()[0])))
+    stranger.sendall(b"\0" * 20)  # the wrong token, then "rank 0"
+    one = Lifeline(1, 3, "127.0.0.1", None, fetch, lost_here.append).start()
+    two = Lifeline(2, 3, "127.0.0.1", None, fetch, lambda r: None).start()  # its own end is cut below
+    assert _wait_for(lambda: one._sock is not None and two._sock is not None)
+    time.sleep(0.3)  # rank 0 has read both hellos
+    one.bye()
+    one._sock.close()  # rank 1 leaves normally
+    stranger.close()
+    two._sock.shutdown(socket.SHUT_RDWR)  # rank 2's process "dies"
+    assert _wait_for(lambda: lost == [2]), lost
+    time.sleep(0.3)
+    assert lost == [2] and lost_here == [], (lost, lost_here)  # rank 1 said goodbye: nobody lost
+    zero._sock.close()
+
+
+def test_a_rank_names_rank_0_when_rank_0_s_end_closes():
+    from nvalchemi_jaxbridge.torch.lifeline import Lifeline
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        lost = []
+        one = Lifeline(1, 2, "127.0.0.1", None, lambda: f"{server.getsockname()[1]} {'ab' * 16}", lost.append)
+        one.start()
+        conn, _ = server.accept()
+        assert conn.recv(20)[:16] == bytes.fromhex("ab" * 16)
+        conn.close()  # rank 0's process ends
+        assert _wait_for(lambda: lost == [0]), lost
+
+
+def test_which_exceptions_carried_into_shutdown_are_failures_and_process_liveness():
+    assert faults.is_failure(RuntimeError("x")) and faults.is_failure(KeyboardInterrupt())
+    assert faults.is_failure(SystemExit(2)) and not faults.is_failure(SystemExit(0))
+    assert not faults.is_failure(None) and not faults.is_failure(StopIteration())
+    import os
+    import subprocess
+    import sys
+
+    assert faults.process_alive(os.getpid()) is True
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()  # reaped: gone
+    assert faults.process_alive(p.pid) is False
