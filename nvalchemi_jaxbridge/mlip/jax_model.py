@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..layout import HaloPlan
+from ..layout.capacity import GrowthLog
 from ..layout.structure import checked_structure
 from ..lower import collectives as C
 from ..lower import compile as lower_compile
@@ -117,13 +118,16 @@ def halo_depth(wrapper: MessagePassingWrapper, exchange: str) -> float:
 
 
 def build_layout(wrapper: MessagePassingWrapper, exchange: str, positions: Any, numbers: Any, cell: Any, pbc: Any,
-                 *, n_devices: int, skin: float, headroom: float, keep: tuple[HaloPlan, EdgePlan] | None = None
-                 ) -> tuple[HaloPlan, EdgePlan, np.ndarray, np.ndarray, tuple[bool, bool, bool]]:
+                 *, n_devices: int, skin: float, headroom: float, keep: tuple[HaloPlan, EdgePlan] | None = None,
+                 cell_changed: bool = False) -> tuple[HaloPlan, EdgePlan, np.ndarray, np.ndarray, tuple[bool, bool, bool]]:
     """The halo plan (one cutoff, or n_layers cutoffs for the deep halo, plus skin) and its block edges.
 
     `keep`: a `(plan, edges)` pair of the same atoms and periodicity whose grid, capacities
     and message offsets to keep (grown where they no longer fit, as `HaloPlan.rebuild` does),
-    so that programs compiled for it run on the new layout (e.g. after the cell changed).
+    so that programs compiled for it run on the new layout (e.g. after the cell changed). Plan
+    and edges grow together: when either must grow, so does every capacity of both that has used
+    part of its headroom, or every one after a change of the cell (`cell_changed`: every count scales
+    with it), so one compilation covers them all; `plan.growth + edges.growth` say what grew.
     """
     pos, numbers, cell, periodic = checked_structure(positions, numbers, cell, pbc, wrapper.name)
     kw: dict[str, Any] = {}
@@ -131,11 +135,22 @@ def build_layout(wrapper: MessagePassingWrapper, exchange: str, positions: Any, 
         p = keep[0]
         kw = dict(grid=p.grid, owned_capacity=p.owned_capacity, ghost_capacity=p.ghost_capacity,
                   pair_capacities=dict(zip(p.offsets, p.pair_capacities)))
-    # Images of a device's own atoms are no rows: their edges carry the lattice shift (EdgePlan.shift).
-    plan = HaloPlan.build(pos, cell, periodic=periodic, cutoff=halo_depth(wrapper, exchange), skin=skin,
-                          n_devices=n_devices, headroom=headroom, self_images=False, **kw)
-    edges = EdgePlan.build(plan, pos, cutoff=wrapper.cutoff, receivers="owned" if exchange == "per_layer" else "all",
-                           headroom=headroom, edge_capacity=None if keep is None else keep[1].edge_capacity)
+
+    def plan_and_edges(grow: bool, edge_capacity: int | None) -> tuple[HaloPlan, EdgePlan]:
+        # Images of a device's own atoms are no rows: their edges carry the lattice shift (EdgePlan.shift).
+        plan = HaloPlan.build(pos, cell, periodic=periodic, cutoff=halo_depth(wrapper, exchange), skin=skin,
+                              n_devices=n_devices, headroom=headroom, self_images=False, grow=grow,
+                              grow_all=cell_changed, **kw)
+        edges = EdgePlan.build(plan, pos, cutoff=wrapper.cutoff,
+                               receivers="owned" if exchange == "per_layer" else "all", headroom=headroom,
+                               edge_capacity=edge_capacity,
+                               grow=bool(plan.growth) and ("all" if cell_changed else True))
+        return plan, edges
+
+    plan, edges = plan_and_edges(False, None if keep is None else keep[1].edge_capacity)
+    if edges.growth and not plan.growth:  # the edges grew alone: the plan's capacities grow with them
+        plan, again = plan_and_edges(True, edges.edge_capacity)
+        edges = dataclasses.replace(again, growth=edges.growth)
     return plan, edges, numbers, cell, periodic
 
 
@@ -165,7 +180,10 @@ class DistributedMLIP:
             "deep_halo" (halo of n_layers cutoffs, the model as one op).
         skin: Verlet skin (Å): halo and edges reach `cutoff + skin`; the layout is
             rebuilt when an atom has moved more than `skin / 2`.
-        headroom: relative headroom of every static capacity.
+        headroom: relative headroom of every static capacity (1.2: 20 % spare rows and edges). A capacity
+            that no longer fits grows to at least `layout.capacity.GROWTH` times itself (the programs compile
+            again; logged once at INFO with the capacities, a warning after a few): raise it for a cell
+            that will shrink, e.g. 2.0 under a cell filter.
         call_path: how the stage ops are called ("auto", "ffi", "callback").
 
     Example:
@@ -203,6 +221,8 @@ class DistributedMLIP:
         self._value_and_grad = jax.jit(jax.value_and_grad(self.energy_fn, argnums=(1, 2), has_aux=True))
         self._value_and_forces = jax.jit(jax.value_and_grad(self.energy_fn, argnums=1, has_aux=True))
         self._programs: dict[Hashable, Callable[..., Any]] = {}
+        #: every capacity growth of this model's layouts (logged once at INFO; a warning past a few)
+        self.growth_log = GrowthLog("DistributedMLIP")
         self._compiled: Any = None  # the CompiledSpec every layout of this model shares (so do its programs)
 
     def program(self, key: Hashable, build: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
@@ -250,7 +270,9 @@ class DistributedMLIP:
                 and previous.cs.spec.policy == self.settings.policy)
         plan, edges, numbers, cell, periodic = build_layout(
             self.wrapper, self.exchange, positions, numbers, cell, pbc, n_devices=int(self.mesh.devices.size),
-            skin=self.skin, headroom=self.headroom, keep=(previous.plan, previous.edges) if same else None)
+            skin=self.skin, headroom=self.headroom, keep=(previous.plan, previous.edges) if same else None,
+            cell_changed=same and not np.array_equal(previous.cell, np.asarray(cell, dtype=np.float64)))
+        self.growth_log.record(plan.growth + edges.growth, self.headroom)
         return self._state(plan, edges, self.wrapper.node_attrs(numbers), numbers, cell, periodic,
                            cs=previous.cs if same else None)
 
@@ -280,9 +302,11 @@ class DistributedMLIP:
 
     def rebuild(self, state: ModelState, positions: Any) -> ModelState:
         """A new layout for `positions` with `state`'s capacities (grown where they no longer fit)."""
-        pos = np.asarray(positions, dtype=np.float64)
-        plan = state.plan.rebuild(pos)
-        edges = state.edges.rebuild(plan, pos)
+        plan, edges, *_ = build_layout(
+            self.wrapper, self.exchange, positions, state.numbers, state.cell, state.periodic,
+            n_devices=int(self.mesh.devices.size), skin=self.skin, headroom=self.headroom,
+            keep=(state.plan, state.edges))
+        self.growth_log.record(plan.growth + edges.growth, self.headroom)
         attrs = self.wrapper.node_attrs(state.numbers)
         return self._state(plan, edges, attrs, state.numbers, state.cell, state.periodic, cs=state.cs)
 
