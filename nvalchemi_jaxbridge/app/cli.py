@@ -309,6 +309,10 @@ def _add_run_parser(groups: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 ok, 1 problems found, 2 usage errors)."""
     args = _build_parser().parse_args(argv)
+    if args.group in ("run", "validate"):  # programs to compile: a second start reads them from disk
+        from ..lower.cache import enable_compilation_cache
+
+        enable_compilation_cache()
     try:
         return _HANDLERS[(args.group, getattr(args, "command", None))](args)
     except OSError as e:

@@ -159,6 +159,9 @@ class KernelPotential:
             raise ValueError(f"{where}: dtype must be one of {_DTYPES} or None (platform default), got {self.dtype!r}.")
         if self.mesh is not None and self.n_devices is not None:
             raise ValueError(f"{where}: give n_devices or mesh, not both (the mesh fixes the device count).")
+        from ..lower.cache import enable_compilation_cache
+
+        enable_compilation_cache()  # unless the user chose a cache or opted out (lower/cache.py)
 
     # ---------------------------------------------------------------- derived
 

@@ -36,6 +36,7 @@ from ..lower import collectives as C
 from ..lower import compile as lower_compile
 from ..lower import exchange as X
 from ..lower import auto_mesh, make_mesh
+from ..lower.cache import enable_compilation_cache
 from ..lower.tables import place
 from ..spec import DistributionSpec
 from .edges import EdgePlan
@@ -212,6 +213,7 @@ class DistributedMLIP:
                  mesh: Any = None, exchange: str = "per_layer", skin: float = 0.5, headroom: float = 1.2,
                  call_path: str = "auto") -> None:
         check_model(wrapper, exchange, skin, "DistributedMLIP")
+        enable_compilation_cache()  # unless the user chose a cache or opted out (lower/cache.py)
         self.wrapper, self.exchange, self.skin, self.headroom = wrapper, exchange, float(skin), float(headroom)
         self.settings: RunSettings = run_settings(wrapper.distribution_spec() if spec is None else spec,
                                                   per_layer=exchange == "per_layer")
