@@ -13,6 +13,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
 
+# The package turns on JAX's persistent compilation cache (~/.cache/nvalchemi_jaxbridge/xla, lower/cache.py); the
+# suite leaves the user's cache alone unless told where (JAXBRIDGE_COMPILATION_CACHE=/some/dir shares one across
+# workers and children; tests/compile_events.py counts a program read from it as a compilation, so no test weakens).
+os.environ.setdefault("JAXBRIDGE_COMPILATION_CACHE", "0")
+
 import hypothesis
 import jax
 import pytest

@@ -338,6 +338,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .quiet import cli_output
 
     args = _build_parser().parse_args(argv)
+    if args.group in ("run", "validate"):  # programs to compile: a second start reads them from disk
+        from ..lower.cache import enable_compilation_cache
+
+        enable_compilation_cache()
     try:
         with cli_output(verbose=getattr(args, "verbose", False)):
             return _HANDLERS[(args.group, getattr(args, "command", None))](args)

@@ -94,7 +94,9 @@ class KernelPotential:
         energy_output: index of the energy among the kernel's outputs (an `AllReduceSum`
             output); a kernel returning one scalar uses 0.
         skin: Verlet skin (Å); the layout is rebuilt once an atom moved more than `skin / 2`.
-        headroom: relative headroom of the plan's static capacities (>= 1).
+        headroom: relative headroom of the plan's static capacities (>= 1). A capacity that no longer fits
+            grows to at least `layout.capacity.GROWTH` times itself (the program compiles again; logged once
+            at INFO, a warning after a few): raise it for a cell that will shrink.
         species: atomic numbers the kernel is meant for (optional; others are refused).
         n_devices: devices of a new 1-D mesh (default all); or give `mesh`.
         mesh: a mesh from `lower.make_mesh`.
@@ -157,6 +159,9 @@ class KernelPotential:
             raise ValueError(f"{where}: dtype must be one of {_DTYPES} or None (platform default), got {self.dtype!r}.")
         if self.mesh is not None and self.n_devices is not None:
             raise ValueError(f"{where}: give n_devices or mesh, not both (the mesh fixes the device count).")
+        from ..lower.cache import enable_compilation_cache
+
+        enable_compilation_cache()  # unless the user chose a cache or opted out (lower/cache.py)
 
     # ---------------------------------------------------------------- derived
 
@@ -184,6 +189,13 @@ class KernelPotential:
                 "before using JAX, or pass dtype='float32'."
             )
         return np.dtype(name)
+
+    @functools.cached_property
+    def growth_log(self) -> Any:
+        """Every capacity growth of this potential's layouts (`layout.capacity.GrowthLog`)."""
+        from ..layout.capacity import GrowthLog
+
+        return GrowthLog("KernelPotential")
 
     @functools.cached_property
     def _template(self) -> dict[str, Any]:
@@ -219,9 +231,11 @@ class KernelPotential:
         if previous is not None and previous.plan.n_atoms == len(pos) and previous.periodic == periodic:
             p = previous.plan
             kw = dict(grid=p.grid, owned_capacity=p.owned_capacity, ghost_capacity=p.ghost_capacity,
-                      pair_capacities=dict(zip(p.offsets, p.pair_capacities)))
+                      pair_capacities=dict(zip(p.offsets, p.pair_capacities)),
+                      grow_all=not np.array_equal(previous.cell, cell))  # a new cell scales every count
         plan = HaloPlan.build(pos, cell, periodic=periodic, cutoff=self.cutoff, skin=self.skin, n_devices=n_dev,
                               headroom=self.headroom, **kw)
+        self.growth_log.record(plan.growth, self.headroom)
         return self._state(self._compiled(plan), values, numbers, cell, periodic)
 
     def needs_rebuild(self, state: KernelState, positions: Any) -> bool:
@@ -234,6 +248,7 @@ class KernelPotential:
     def rebuild(self, state: KernelState, positions: Any) -> KernelState:
         """A new layout for `positions` with `state`'s cell and capacities (grown where they no longer fit)."""
         cs = state.cs.rebuild(np.asarray(positions, dtype=np.float64))
+        self.growth_log.record(cs.plan.growth, self.headroom, logged=True)  # HaloPlan.rebuild logged it
         return self._state(cs, state.values, state.numbers, state.cell, state.periodic)
 
     def _compiled(self, plan: Any) -> Any:

@@ -8,6 +8,7 @@ from typing import Literal
 
 import numpy as np
 
+from .capacity import Growth, fitted, regrown
 from .errors import HaloOverflowError
 from .inputs import positive_int
 from .partition import MAX_PLAN_ROWS, Partition
@@ -20,11 +21,6 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     """`a`, made read-only (plans are immutable)."""
     a.setflags(write=False)
     return a
-
-
-def _grown(needed: int, headroom: float) -> int:
-    """Capacity for `needed` rows with relative `headroom` (never less than `needed`)."""
-    return max(needed, math.ceil(needed * headroom))
 
 
 def _parking(count: int, base: np.ndarray, spacing: float, side: int) -> np.ndarray:
@@ -66,11 +62,16 @@ def _assemble(
     pair_request: int | dict[int, int] | None,
     on_overflow: OnOverflow,
     self_images: bool = True,
+    grow: bool = False,
+    grow_all: bool = False,
 ) -> dict:
     """Fields of a `HaloPlan` from a `Partition`: row order, capacities, tables, parking points.
 
     `self_images=False`: a rank's ghosts that are images of its own atoms are left out of its
     rows (and of the messages, where they are offset 0) and listed in `own_images` instead.
+    Requested capacities that no longer fit grow (`capacity.regrown`), and with them every requested
+    one that has used part of its headroom (`grow_all`: every requested one); `grow=True` grows them even
+    when all fit.
     """
     n_atoms, d = len(pos), n_devices
     owner = part.owner
@@ -103,22 +104,7 @@ def _assemble(
     n_ghost = np.array([len(a) for a, _ in ghosts], dtype=np.int64)
 
     overflows: dict[str, tuple[int, int]] = {}
-    grown: list[str] = []
-
-    def capacity(name: str, requested: int | None, needed: int, auto: int) -> int:
-        if requested is None:
-            return auto
-        if requested >= needed:
-            return requested
-        if on_overflow == "replan":
-            grown.append(name)
-            return auto
-        overflows[name] = (needed, requested)
-        return requested
-
     max_owned, max_ghost = int(n_owned.max(initial=0)), int(n_ghost.max(initial=0))
-    oc = capacity("owned_capacity", owned_request, max(max_owned, 1), max(_grown(max_owned, headroom), 1))
-    gc = capacity("ghost_capacity", ghost_request, max_ghost + 1, _grown(max_ghost, headroom) + 1)
     needed_pairs = {k: max(len(rows) for rows, _ in m.values()) for k, m in messages.items()}
     if isinstance(pair_request, dict):
         # Offsets of the requested mapping are kept; a new one is a new message (a capacity of 0 grown).
@@ -127,10 +113,24 @@ def _assemble(
     else:
         offsets = sorted(needed_pairs)
         requested = {k: pair_request for k in offsets}
-    caps = [
-        capacity(f"pair_capacities[{k}]", requested[k], needed_pairs.get(k, 0), max(_grown(needed_pairs.get(k, 0), headroom), 1))
-        for k in offsets
-    ]
+    # (name, requested, needed, chosen afresh): ghosts count the pad row
+    wanted = [("owned_capacity", owned_request, max(max_owned, 1), max(fitted(max_owned, headroom), 1)),
+              ("ghost_capacity", ghost_request, max_ghost + 1, fitted(max_ghost, headroom) + 1)]
+    wanted += [(f"pair_capacities[{k}]", requested[k], needed_pairs.get(k, 0),
+                max(fitted(needed_pairs.get(k, 0), headroom), 1)) for k in offsets]
+    # A growth compiles the programs again anyway: every capacity that has used part of its headroom grows with it.
+    together = grow or (on_overflow == "replan" and any(r is not None and r < n for _, r, n, _ in wanted))
+    growth: list[Growth] = []
+    chosen = []
+    for name, req, need, fresh in wanted:
+        cap = fresh if req is None else req
+        if req is not None and req < need and on_overflow == "raise":
+            overflows[name] = (need, req)
+        elif req is not None and (req < need or (together and (grow_all or fresh > req))):
+            cap = regrown(req, fresh)
+            growth.append(Growth(name, req, cap, need))
+        chosen.append(cap)
+    oc, gc, caps = chosen[0], chosen[1], chosen[2:]
     if overflows:
         _raise_overflow(overflows, oc, gc, dict(zip(offsets, caps)), headroom, n_owned, n_ghost)
     hr = oc + gc
@@ -194,7 +194,8 @@ def _assemble(
         halo_global=_readonly(halo_global), send_idx=tuple(send_idx), recv_slot=tuple(recv_slot),
         halo_offset=_readonly(halo_offset), owned_offset=_readonly(owned_offset),
         reference_positions=_readonly(pos.copy()), headroom=headroom, basis=_readonly(basis),
-        halo_image=_readonly(halo_image), frame=_readonly(part.frame.copy()), grown=tuple(grown),
+        halo_image=_readonly(halo_image), frame=_readonly(part.frame.copy()), grown=tuple(g.name for g in growth),
+        growth=tuple(growth),
         self_images=self_images, own_images=tuple(own_images),
     )
 
@@ -213,14 +214,14 @@ def _raise_overflow(
     for name, (needed, reserved) in overflows.items():
         if name == "owned_capacity":
             why = f"rank {int(np.argmax(n_owned))} owns {needed} atoms"
-            fix["owned_capacity"] = _grown(needed, headroom)
+            fix["owned_capacity"] = fitted(needed, headroom)
         elif name == "ghost_capacity":
             why = f"rank {int(np.argmax(n_ghost))} has {needed - 1} ghosts + 1 pad row"
-            fix["ghost_capacity"] = _grown(needed - 1, headroom) + 1
+            fix["ghost_capacity"] = fitted(needed - 1, headroom) + 1
         else:
             k = int(name[name.index("[") + 1 : -1])
             why = f"a rank sends {needed} rows at offset {k}"
-            pairs[k] = _grown(needed, headroom)
+            pairs[k] = fitted(needed, headroom)
             fix["pair_capacities"] = dict(pairs)
         parts.append(f"{name} needs {needed} ({why}) but the plan reserves {reserved}")
     args = ", ".join(f"{k}={v}" for k, v in fix.items())

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -35,11 +34,10 @@ import numpy as np
 from . import _storage, inputs
 from .coincident import check_coincident
 from ._assemble import OnOverflow, _assemble, _pair_request, _readonly
+from .capacity import Growth, describe, log_growth
 from .errors import HaloOverflowError as HaloOverflowError
 from .grid import choose_grid
 from .partition import effective_cell, partition
-
-_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -73,6 +71,7 @@ class HaloPlan:
         frame: `(N, 3)` int64 unwrap frame `floor(frac)` of each atom at build time (periodic
             axes; 0 elsewhere): caller position = wrapped position + `frame @ cell`.
         grown: names of capacities that `build`/`rebuild` had to enlarge beyond the requested ones.
+        growth: the same as `capacity.Growth` records (name, old -> new rows, rows needed).
         self_images: whether images of a device's own atoms are ghost rows (see `build`).
         own_images: per device, `(m, 4)` int64 rows `(owned row, lattice shift)`: the images of its own
             atoms within reach that are not ghost rows (`self_images=False`; empty otherwise), by
@@ -104,6 +103,7 @@ class HaloPlan:
     halo_image: np.ndarray
     frame: np.ndarray
     grown: tuple[str, ...] = ()
+    growth: tuple[Growth, ...] = ()
     self_images: bool = True
     own_images: tuple[np.ndarray, ...] = ()
 
@@ -126,6 +126,8 @@ class HaloPlan:
         pair_capacities: int | Mapping[int, int] | None = None,
         on_overflow: OnOverflow = "replan",
         self_images: bool = True,
+        grow: bool = False,
+        grow_all: bool = False,
     ) -> HaloPlan:
         """Partition `positions` over `n_devices` spatial domains and lay out their halo rows.
 
@@ -146,12 +148,18 @@ class HaloPlan:
             pair_capacities: message rows, one int for every offset or `{offset: rows}`; offsets
                 named in a mapping are kept even when no longer needed (programs are reused).
             on_overflow: `"replan"` grows a fixed capacity that is too small (listed in
-                `plan.grown`); `"raise"` raises `HaloOverflowError` instead.
+                `plan.grown`), to at least `capacity.GROWTH` times its size, and with it every
+                fixed capacity that has used part of its headroom (the programs recompile once for
+                all of them); `"raise"` raises `HaloOverflowError` instead.
             self_images: True (default): periodic images of a device's own atoms are ghost rows, as
                 an opaque kernel that finds its neighbours from positions needs. False: they are left
                 out of the rows and exchanges and listed in `plan.own_images` (owned row, lattice
                 shift), for a consumer with explicit edges that puts the shift on the edge instead
                 (the model level: one device then holds no ghost rows at all).
+            grow: grow every fixed capacity that has used part of its headroom even though all fit
+                (a consumer whose own capacity grew, e.g. the model level's edges, asks for it).
+            grow_all: when capacities grow, grow every fixed one, used or not: after a change of the cell
+                every count scales together (a cell filter), so one growth then covers them all.
 
         Returns:
             The plan.
@@ -211,7 +219,8 @@ class HaloPlan:
         part = partition(pos, basis, periodic, grid, cutoff + skin)
         return cls(**_assemble(
             pos, cell_arr, basis, periodic, tuple(grid), cutoff, skin, n_devices, headroom,
-            part, owned_capacity, ghost_capacity, pair_request, on_overflow, bool(self_images),
+            part, owned_capacity, ghost_capacity, pair_request, on_overflow, bool(self_images), bool(grow),
+            bool(grow_all),
         ))
 
     @classmethod
@@ -239,8 +248,9 @@ class HaloPlan:
 
         Capacities and offsets are kept, so programs compiled for this plan run
         on the new one. A capacity that no longer suffices is grown (listed in
-        `plan.grown`; programs then recompile) with `on_overflow="replan"`, or
-        raises `HaloOverflowError` with `on_overflow="raise"`.
+        `plan.grown` and `plan.growth`, logged once at INFO by `layout.capacity`; programs then
+        recompile once) with `on_overflow="replan"`, or raises `HaloOverflowError` with
+        `on_overflow="raise"`.
         """
         pos = np.asarray(positions)
         if pos.shape != (self.n_atoms, 3):
@@ -255,9 +265,7 @@ class HaloPlan:
             pair_capacities=dict(zip(self.offsets, self.pair_capacities)), on_overflow=on_overflow,
             self_images=self.self_images,
         )
-        if plan.grown:
-            _log.info("HaloPlan.rebuild: grew %s (programs compiled for the old capacities recompile once)",
-                      ", ".join(plan.grown))
+        log_growth("HaloPlan.rebuild", plan.growth)
         return plan
 
     # ------------------------------------------------------------ properties
@@ -390,6 +398,6 @@ class HaloPlan:
                          f"{[len(o) for o in self.own_images]}")
         if unwrapped := int(np.count_nonzero(self.frame.any(axis=1))):
             lines.append(f"  atoms given outside the cell: {unwrapped} (shifted into it in the halo block)")
-        if self.grown:
-            lines.append(f"  grown to fit: {', '.join(self.grown)}")
+        if self.growth:
+            lines.append(f"  grown to fit: {describe(self.growth)}")
         return "\n".join(lines)

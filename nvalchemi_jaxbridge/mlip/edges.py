@@ -22,10 +22,11 @@ row receive, since the whole model runs on the block in one go.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import numpy as np
+
+from ..layout.capacity import Growth, fitted, regrown
 
 RECEIVERS = ("owned", "all")
 
@@ -51,6 +52,7 @@ class EdgePlan:
         edge_capacity: static edges per device.
         cutoff: the model's cutoff; `reach`: the list radius (`cutoff + skin`).
         receivers: "owned" (per-layer exchange) or "all" (deep halo).
+        growth: the `capacity.Growth` of `edge_capacity` when a kept capacity was grown (else empty).
     """
 
     edges: np.ndarray
@@ -63,6 +65,7 @@ class EdgePlan:
     reach: float
     receivers: str
     headroom: float
+    growth: tuple[Growth, ...] = ()
 
     @classmethod
     def build(
@@ -74,6 +77,7 @@ class EdgePlan:
         receivers: str = "owned",
         headroom: float = 1.2,
         edge_capacity: int | None = None,
+        grow: bool | str = False,
     ) -> EdgePlan:
         """Edges of every device's block for `positions` (the plan's atoms, `(N, 3)`).
 
@@ -83,7 +87,10 @@ class EdgePlan:
             cutoff: the model's cutoff (Å).
             receivers: "owned" or "all" (see the module docstring).
             headroom: capacity = `ceil(headroom * most edges on a device)` when one is chosen or grown.
-            edge_capacity: a capacity to keep if it suffices (grown otherwise).
+            edge_capacity: a capacity to keep if it suffices; grown otherwise to at least
+                `capacity.GROWTH` times itself (`capacity.regrown`), and so is one that has used part of
+                its headroom when `grow` (the plan grew: the programs recompile anyway), or any kept one
+                when `grow="all"`.
 
         Raises:
             ValueError: a bad `receivers`, a cutoff <= 0, or a plan whose halo is
@@ -122,8 +129,11 @@ class EdgePlan:
             per_device.append((both[order].astype(np.int32), image[order].astype(np.int32)))
         n_edges = np.array([len(e) for e, _ in per_device], dtype=np.int64)
         need = int(n_edges.max(initial=0))
-        cap = edge_capacity if edge_capacity is not None and edge_capacity >= need else max(
-            1, math.ceil(headroom * need))
+        fresh, growth = max(1, fitted(need, headroom)), ()
+        cap = fresh if edge_capacity is None else edge_capacity
+        if edge_capacity is not None and (edge_capacity < need or (grow == "all" or (grow and fresh > edge_capacity))):
+            cap = regrown(edge_capacity, fresh)
+            growth = (Growth("edge_capacity", edge_capacity, cap, need),)
         pad_row = n_pad.astype(np.int32)
         spare = (pad_row[:, None] + np.arange(cap)[None, :] % (hr - pad_row)[:, None]).astype(np.int32)
         edges = np.repeat(spare[:, :, None], 2, axis=2)
@@ -132,9 +142,10 @@ class EdgePlan:
             edges[dev, : len(e)] = e
             image[dev, : len(e)] = im
         return cls(edges, -(image @ plan.basis), pad_row, spare, n_edges, int(cap), float(cutoff), reach, receivers,
-                   float(headroom))
+                   float(headroom), growth)
 
     def rebuild(self, plan: Any, positions: np.ndarray) -> EdgePlan:
-        """The edges for a rebuilt plan, keeping this capacity when it suffices (grown otherwise)."""
+        """The edges for a rebuilt plan, keeping this capacity when it suffices (grown otherwise, and with
+        the plan's own growth)."""
         return EdgePlan.build(plan, positions, cutoff=self.cutoff, receivers=self.receivers,
-                              headroom=self.headroom, edge_capacity=self.edge_capacity)
+                              headroom=self.headroom, edge_capacity=self.edge_capacity, grow=bool(plan.growth))

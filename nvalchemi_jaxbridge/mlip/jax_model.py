@@ -30,12 +30,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..layout import HaloPlan
+from ..layout.capacity import GrowthLog
 from ..layout.finite import check_structure
 from ..layout.structure import checked_structure
 from ..lower import collectives as C
 from ..lower import compile as lower_compile
 from ..lower import exchange as X
 from ..lower import auto_mesh, make_mesh
+from ..lower.cache import enable_compilation_cache
 from ..lower.finite import check_results
 from ..lower.tables import place
 from ..spec import DistributionSpec
@@ -122,13 +124,16 @@ def halo_depth(wrapper: MessagePassingWrapper, exchange: str) -> float:
 
 
 def build_layout(wrapper: MessagePassingWrapper, exchange: str, positions: Any, numbers: Any, cell: Any, pbc: Any,
-                 *, n_devices: int, skin: float, headroom: float, keep: tuple[HaloPlan, EdgePlan] | None = None
-                 ) -> tuple[HaloPlan, EdgePlan, np.ndarray, np.ndarray, tuple[bool, bool, bool]]:
+                 *, n_devices: int, skin: float, headroom: float, keep: tuple[HaloPlan, EdgePlan] | None = None,
+                 cell_changed: bool = False) -> tuple[HaloPlan, EdgePlan, np.ndarray, np.ndarray, tuple[bool, bool, bool]]:
     """The halo plan (one cutoff, or n_layers cutoffs for the deep halo, plus skin) and its block edges.
 
     `keep`: a `(plan, edges)` pair of the same atoms and periodicity whose grid, capacities
     and message offsets to keep (grown where they no longer fit, as `HaloPlan.rebuild` does),
-    so that programs compiled for it run on the new layout (e.g. after the cell changed).
+    so that programs compiled for it run on the new layout (e.g. after the cell changed). Plan
+    and edges grow together: when either must grow, so does every capacity of both that has used
+    part of its headroom, or every one after a change of the cell (`cell_changed`: every count scales
+    with it), so one compilation covers them all; `plan.growth + edges.growth` say what grew.
     """
     pos, numbers, cell, periodic = checked_structure(positions, numbers, cell, pbc, wrapper.name)
     kw: dict[str, Any] = {}
@@ -136,11 +141,22 @@ def build_layout(wrapper: MessagePassingWrapper, exchange: str, positions: Any, 
         p = keep[0]
         kw = dict(grid=p.grid, owned_capacity=p.owned_capacity, ghost_capacity=p.ghost_capacity,
                   pair_capacities=dict(zip(p.offsets, p.pair_capacities)))
-    # Images of a device's own atoms are no rows: their edges carry the lattice shift (EdgePlan.shift).
-    plan = HaloPlan.build(pos, cell, periodic=periodic, cutoff=halo_depth(wrapper, exchange), skin=skin,
-                          n_devices=n_devices, headroom=headroom, self_images=False, **kw)
-    edges = EdgePlan.build(plan, pos, cutoff=wrapper.cutoff, receivers="owned" if exchange == "per_layer" else "all",
-                           headroom=headroom, edge_capacity=None if keep is None else keep[1].edge_capacity)
+
+    def plan_and_edges(grow: bool, edge_capacity: int | None) -> tuple[HaloPlan, EdgePlan]:
+        # Images of a device's own atoms are no rows: their edges carry the lattice shift (EdgePlan.shift).
+        plan = HaloPlan.build(pos, cell, periodic=periodic, cutoff=halo_depth(wrapper, exchange), skin=skin,
+                              n_devices=n_devices, headroom=headroom, self_images=False, grow=grow,
+                              grow_all=cell_changed, **kw)
+        edges = EdgePlan.build(plan, pos, cutoff=wrapper.cutoff,
+                               receivers="owned" if exchange == "per_layer" else "all", headroom=headroom,
+                               edge_capacity=edge_capacity,
+                               grow=bool(plan.growth) and ("all" if cell_changed else True))
+        return plan, edges
+
+    plan, edges = plan_and_edges(False, None if keep is None else keep[1].edge_capacity)
+    if edges.growth and not plan.growth:  # the edges grew alone: the plan's capacities grow with them
+        plan, again = plan_and_edges(True, edges.edge_capacity)
+        edges = dataclasses.replace(again, growth=edges.growth)
     return plan, edges, numbers, cell, periodic
 
 
@@ -170,7 +186,10 @@ class DistributedMLIP:
             "deep_halo" (halo of n_layers cutoffs, the model as one op).
         skin: Verlet skin (Å): halo and edges reach `cutoff + skin`; the layout is
             rebuilt when an atom has moved more than `skin / 2`.
-        headroom: relative headroom of every static capacity.
+        headroom: relative headroom of every static capacity (1.2: 20 % spare rows and edges). A capacity
+            that no longer fits grows to at least `layout.capacity.GROWTH` times itself (the programs compile
+            again; logged once at INFO with the capacities, a warning after a few): raise it for a cell
+            that will shrink, e.g. 2.0 under a cell filter.
         call_path: how the stage ops are called ("auto", "ffi", "callback").
 
     Example:
@@ -199,11 +218,14 @@ class DistributedMLIP:
                  mesh: Any = None, exchange: str = "per_layer", skin: float = 0.5, headroom: float = 1.2,
                  call_path: str = "auto") -> None:
         check_model(wrapper, exchange, skin, "DistributedMLIP")
+        enable_compilation_cache()  # unless the user chose a cache or opted out (lower/cache.py)
         self.wrapper, self.exchange, self.skin, self.headroom = wrapper, exchange, float(skin), float(headroom)
         self.settings: RunSettings = run_settings(wrapper.distribution_spec() if spec is None else spec,
                                                   per_layer=exchange == "per_layer")
         self.mesh = auto_mesh(mesh) if mesh is not None else make_mesh(n_devices)
         self._call_path, self._token = call_path, new_token()
+        #: every capacity growth of this model's layouts (logged once at INFO; a warning past a few)
+        self.growth_log = GrowthLog("DistributedMLIP")
         self._fit()
 
     def _fit(self) -> None:
@@ -268,12 +290,15 @@ class DistributedMLIP:
         z = np.asarray(numbers).reshape(-1)
         periodic = tuple(bool(p) for p in np.broadcast_to(np.asarray(pbc, dtype=bool), (3,)))
         same = (previous is not None and previous.fingerprint == self._fingerprint
-                and previous.plan.n_atoms == len(z) and np.array_equal(previous.numbers, z) and previous.periodic == periodic and previous.cs.mesh == self.mesh
+                and previous.plan.n_atoms == len(z) and np.array_equal(previous.numbers, z)
+                and previous.periodic == periodic and previous.cs.mesh == self.mesh
                 and previous.plan.cutoff == self.halo_depth and previous.plan.skin == self.skin
                 and previous.cs.spec.policy == self.settings.policy)
         plan, edges, numbers, cell, periodic = build_layout(
             self.wrapper, self.exchange, positions, numbers, cell, pbc, n_devices=int(self.mesh.devices.size),
-            skin=self.skin, headroom=self.headroom, keep=(previous.plan, previous.edges) if same else None)
+            skin=self.skin, headroom=self.headroom, keep=(previous.plan, previous.edges) if same else None,
+            cell_changed=same and not np.array_equal(previous.cell, np.asarray(cell, dtype=np.float64)))
+        self.growth_log.record(plan.growth + edges.growth, self.headroom)
         return self._state(plan, edges, self.wrapper.node_attrs(numbers), numbers, cell, periodic,
                            cs=previous.cs if same else None)
 
@@ -311,9 +336,11 @@ class DistributedMLIP:
         self._sync()
         if fingerprint_change(state, self._fingerprint) is not None:
             return self.prepare(positions, state.numbers, state.cell, state.periodic)
-        pos = np.asarray(positions, dtype=np.float64)
-        plan = state.plan.rebuild(pos)
-        edges = state.edges.rebuild(plan, pos)
+        plan, edges, *_ = build_layout(
+            self.wrapper, self.exchange, positions, state.numbers, state.cell, state.periodic,
+            n_devices=int(self.mesh.devices.size), skin=self.skin, headroom=self.headroom,
+            keep=(state.plan, state.edges))
+        self.growth_log.record(plan.growth + edges.growth, self.headroom)
         attrs = self.wrapper.node_attrs(state.numbers)
         return self._state(plan, edges, attrs, state.numbers, state.cell, state.periodic, cs=state.cs)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 
 import hypothesis
 import hypothesis.strategies as st
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 
 from nvalchemi_jaxbridge.layout import HaloOverflowError, HaloPlan
+from nvalchemi_jaxbridge.layout.capacity import GROWTH
 
 from ._reference import assert_pairs_covered
 
@@ -450,3 +453,63 @@ def test_from_ase_reads_positions_cell_and_pbc():
     np.testing.assert_array_equal(plan.halo_global, want.halo_global)
     with pytest.raises(TypeError, match=r"expected an ase.Atoms .*HaloPlan.build"):
         HaloPlan.from_ase(slab.positions, cutoff=4.0, n_devices=4)
+
+
+@hypothesis.settings(max_examples=30, deadline=None, derandomize=True)
+@hypothesis.given(systems(), st.floats(0.2, 1.5), st.booleans(), st.booleans())
+def test_growth_is_geometric_and_joint(system, scale, grow, grow_all):
+    """Fixed capacities `scale` x what a fresh plan holds: each short one grows to at least GROWTH x itself, and
+    so does every other one that has used part of its headroom (every other one with `grow_all`: one compilation
+    for all); the rest are kept."""
+    positions, cell, periodic, cutoff, skin, n_devices, grid = system
+    kw = dict(periodic=periodic, cutoff=cutoff, skin=skin, n_devices=n_devices, grid=grid, headroom=1.2)
+    fresh = HaloPlan.build(positions, cell, **kw)
+    scaled = lambda c: max(1, int(c * scale))  # noqa: E731
+    asked = {"owned_capacity": scaled(fresh.owned_capacity), "ghost_capacity": scaled(fresh.ghost_capacity),
+             **{f"pair_capacities[{k}]": scaled(c) for k, c in zip(fresh.offsets, fresh.pair_capacities)}}
+    plan = HaloPlan.build(positions, cell, owned_capacity=asked["owned_capacity"],
+                          ghost_capacity=asked["ghost_capacity"], grow=grow, grow_all=grow_all,
+                          pair_capacities={k: asked[f"pair_capacities[{k}]"] for k in fresh.offsets}, **kw)
+    got = {"owned_capacity": plan.owned_capacity, "ghost_capacity": plan.ghost_capacity,
+           **{f"pair_capacities[{k}]": c for k, c in zip(plan.offsets, plan.pair_capacities)}}
+    need = {"owned_capacity": max(int(fresh.n_owned.max()), 1), "ghost_capacity": int(fresh.n_ghost.max()) + 1,
+            **{f"pair_capacities[{k}]": int((s != fresh.owned_capacity).sum(axis=1).max())
+               for k, s in zip(fresh.offsets, fresh.send_idx)}}
+    short = {n for n in asked if asked[n] < need[n]}
+    grown = {g.name: g for g in plan.growth}
+    assert plan.grown == tuple(grown)
+    assert short <= set(grown)
+    if short or grow:  # a growth: every capacity whose fresh choice exceeds the asked one grows with it
+        assert set(grown) == {n for n in asked if grow_all or _fresh(fresh, n) > asked[n]}
+    else:
+        assert not grown
+    for name, cap in got.items():
+        g = grown.get(name)
+        if g is None:
+            assert cap == asked[name]
+        else:
+            assert (g.old, g.new, g.needed) == (asked[name], cap, need[name])
+            assert cap >= max(need[name], math.ceil(GROWTH * asked[name]), _fresh(fresh, name))
+    _check_ownership(plan)
+    _check_exchanges(plan, positions, np.random.default_rng(0))
+
+
+def _fresh(plan: HaloPlan, name: str) -> int:
+    """The capacity a plan without requested ones chose for `name`."""
+    if name.startswith("pair_capacities["):
+        return plan.pair_capacities[plan.offsets.index(int(name[16:-1]))]
+    return getattr(plan, name)
+
+
+def test_rebuild_logs_each_growth_once_with_old_and_new(caplog):
+    positions, cell = _slab_system()
+    plan = HaloPlan.build(positions, cell, cutoff=2.0, skin=0.5, n_devices=2, grid=(2, 1, 1), headroom=1.0)
+    squeezed = positions.copy()
+    squeezed[:, 0] = 10.0 + (positions[:, 0] - 10.0) * 0.15
+    with caplog.at_level(logging.INFO, logger="nvalchemi_jaxbridge.layout"):
+        grown = plan.rebuild(squeezed)
+        again = grown.rebuild(squeezed)  # fits now: nothing grows, nothing logged
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and again.growth == ()
+    assert f"ghost_capacity {plan.ghost_capacity} -> {grown.ghost_capacity}" in lines[0], lines
+    assert all(str(g) in lines[0] for g in grown.growth)

@@ -75,7 +75,7 @@ def test_capacity_growth_on_rebuild_is_logged(system, caplog):
     tight = HaloPlan.build(pos, atoms.cell, cutoff=8.5, n_devices=8, headroom=1.0)
     moved = pos.copy()
     moved[:12] = moved[0] + np.random.default_rng(1).normal(scale=0.3, size=(12, 3))  # crowd one domain
-    with caplog.at_level(logging.INFO, logger="nvalchemi_jaxbridge.layout.halo_plan"):
+    with caplog.at_level(logging.INFO, logger="nvalchemi_jaxbridge.layout.capacity"):
         new = tight.rebuild(moved)
     assert new.grown, "the crowded domain should need more rows"
     assert any("grew" in r.message and new.grown[0] in r.message for r in caplog.records)
