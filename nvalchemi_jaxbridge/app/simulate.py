@@ -13,14 +13,17 @@ from the positions the plan was built from (where the forces were computed).
 
 Every `check_every` steps (after a stale plan, as often as that plan held, then
 doubling back) and at the last step, the host reads the steps' values
-(`app/guards.py`): a runaway energy or temperature stops the run (`RunReport.stop`);
-a step whose displacement passed skin/2 had forces from a stale plan, so the steps
-since the last check are run again with the plan rebuilt at the step before (or, if
-one step from a fresh plan moved that far, the run stops). Then the host re-plans
-if an atom could pass skin/2 before the next check. A rebuild wraps positions into
-the cell, builds the new plan, carries velocities and forces across through
-global-ID order and asserts that every atom is still owned exactly once. Step 1 is
-checked against a reference (the demo's numpy one, or the user's op on one device):
+(`app/guards.py`) and gives the heap's freed pages back to the system
+(`kernels/host_memory.py`: a torch op's temporaries, freed on XLA's threads, would
+otherwise stay with malloc and grow the RSS step by step): a runaway energy or
+temperature stops the run (`RunReport.stop`); a step whose displacement passed
+skin/2 had forces from a stale plan, so the steps since the last check are run
+again with the plan rebuilt at the step before (or, if one step from a fresh plan
+moved that far, the run stops). Then the host re-plans if an atom could pass skin/2
+before the next check. A rebuild wraps positions into the cell, builds the new plan,
+carries velocities and forces across through global-ID order and asserts that every
+atom is still owned exactly once. Step 1 is checked against a reference (the demo's
+numpy one, or the user's op on one device):
 `RunReport.ok` is False past the tolerance.
 
 Call `configure_jax` before anything else touches JAX (the CLI does).
@@ -86,6 +89,7 @@ def run(config: RunConfig, *, progress: Callable[..., Any] | None = None) -> Run
     from ..demo import md
     from ..demo.units import KB_EV, MVV2E
     from ..kernels import compile as kcompile
+    from ..kernels.host_memory import release_freed_host_memory
     from ..layout import HaloPlan
     from ..lower import make_mesh
     from ..lower.finite import all_finite, check_results, max_or_inf
@@ -250,6 +254,7 @@ def run(config: RunConfig, *, progress: Callable[..., Any] | None = None) -> Run
                 rec.truncate(i)
                 break
             rec.flush()
+            release_freed_host_memory()  # what torch ops freed on XLA's threads (kernels/host_memory.py)
             if i < config.steps:
                 loop, fresh = _check_and_rebuild(loop, i, dt, sys_, layout, place, rebuilds, grown, every)
                 ckpt, every = (loop, i), min(config.check_every, 2 * every)

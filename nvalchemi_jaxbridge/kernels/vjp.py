@@ -12,9 +12,13 @@ autograd on the saved inputs instead. Both run on the forward's path: the FFI
 handlers (`ffi_path.grad_calls`, graphs kept in C++) where the forward took the
 FFI path, else `buffer_callback`s (`callback_path.forward_keeping` and
 `backward_body`). Only the inputs JAX differentiates (inexact and perturbed) are
-torch leaves, against the cotangents of the inexact selected results. Before the first backward, a
-trace-time check on fake tensors says whether torch can differentiate the op
-at all (`NotDifferentiableError`, naming the fix).
+torch leaves, against the cotangents of the inexact selected results. When JAX
+first traces a differentiated call, before any call reaches the op, two trace-time
+checks say whether torch can differentiate it (`NotDifferentiableError`, naming the
+fix): the op must have a kernel at its device's autograd key
+(`check_autograd_kernel`, always: without one torch's fallback records no backward,
+so the gradient would be silently zero), and a fake-tensor forward and backward must
+run (`check_differentiable`, unless `check_grad=False`).
 
 Inside `shard_map(check_vma=True)` the varying-axes typing that
 `buffer_callback` drops is restored with `jax.lax.pcast` (`_vary`).
@@ -71,13 +75,55 @@ def _is_data_dependent(e: BaseException) -> bool:
     return isinstance(e, (DataDependentOutputException, DynamicOutputShapeException))
 
 
-def check_differentiable(binding: OpBinding, call: _Call, arrays: Sequence[Any]) -> None:
-    """Trace-time check, on fake tensors, that torch can differentiate the op."""
-    fix = (
+def _fix(binding: OpBinding) -> str:
+    """What to do about an op torch cannot differentiate."""
+    return (
         f"Register a backward formula with torch.library.register_autograd({binding.name.split('.')[0]!r}, "
-        f"backward, setup_context=...), or do not differentiate through this op "
+        f"backward, setup_context=...), or use the op's forces output instead of jax.grad of its energy "
+        f"(ScatterOutputs on the forces), or do not differentiate through this op "
         f"(jax.lax.stop_gradient on its inputs)."
     )
+
+
+_AUTOGRAD_KEYS = {"cpu": "AutogradCPU", "gpu": "AutogradCUDA", "cuda": "AutogradCUDA", "rocm": "AutogradCUDA"}
+
+
+def autograd_kernel(binding: OpBinding, platform: str) -> str | None:
+    """What torch's dispatcher runs for the op at `platform`'s autograd key, from its dispatch table
+    (e.g. "registered at ... [autograd kernel]"); None where the table does not say (an unknown platform)."""
+    key = _AUTOGRAD_KEYS.get(platform)
+    if key is None:
+        return None
+    try:
+        table = torch._C._dispatch_dump_table(binding.name)
+    except Exception:  # noqa: BLE001 - a private torch API: no table, no check (the fake-tensor check remains)
+        return None
+    for line in table.splitlines():
+        if line.startswith(key + ":"):
+            return line[len(key) + 1 :].strip()
+    return None
+
+
+def check_autograd_kernel(binding: OpBinding, platform: str) -> None:
+    """Trace-time check that the op has a kernel at `platform`'s autograd key (its own, a
+    `register_autograd` formula's, or a `CompositeImplicitAutograd` body's).
+
+    Without one, torch reaches its autograd fallback, which records no backward: the
+    gradient would be silently zero (torch only warns), so a differentiated call is
+    refused before anything runs.
+    """
+    kernel = autograd_kernel(binding, platform)
+    if kernel is not None and kernel.endswith("[backend fallback]"):
+        raise NotDifferentiableError(
+            f"jax.grad reached op {binding.name}, but the op has no autograd kernel: torch's dispatcher has only "
+            f"its fallback at {_AUTOGRAD_KEYS[platform]}, which records no backward, so its gradient would be "
+            f"zero or wrong. {_fix(binding)}"
+        )
+
+
+def check_differentiable(binding: OpBinding, call: _Call, arrays: Sequence[Any]) -> None:
+    """Trace-time check, on fake tensors, that torch can differentiate the op."""
+    fix = _fix(binding)
     outputs = [binding.result_names[j] for j in call.selected]
 
     def probe(results: tuple[Any, ...], leaves: list[Any]) -> str | None:
@@ -151,7 +197,8 @@ def custom_vjp(
         ffi_grads: where the forward takes the FFI path, the FFI path's differentiated forward and
             backward of a set of differentiated arrays (a `GradCalls`, or None to use the
             callback path's for that set); else the callback path's are used.
-        check_grad: run `check_differentiable` when the forward is traced for a VJP.
+        check_grad: run `check_differentiable` when the forward is traced for a VJP
+            (`check_autograd_kernel` runs always).
 
     Returns:
         `(fn, kept, token_reads)`: `kept()` is how many torch graphs the call holds for backwards
@@ -205,6 +252,7 @@ def custom_vjp(
         diff = tuple(k for k in inexact if primals[k].perturbed) if sel_inexact else ()
         if not diff:  # no gradient flows through the op: no graph, no backward call
             return run_forward(*arrays), _Residuals(arrays, None, ())
+        check_autograd_kernel(binding, jax.default_backend())
         if check_grad:
             check_differentiable(binding, call, arrays)
         axes = varying_axes(arrays)

@@ -156,6 +156,35 @@ def test_no_autograd_formula_raises_when_differentiated():
         jax.grad(lambda x: k(x).sum())(jnp.arange(3.0))
 
 
+_NOAG = torch.library.Library("ktnoag", "DEF")
+_NOAG.define("cube(Tensor x) -> Tensor")
+
+
+def _cube_no_record(x):
+    with torch.no_grad():  # as a C++/Triton kernel: torch records nothing
+        return x * x * x
+
+
+_NOAG.impl("cube", _cube_no_record, "CPU")
+_NOAG.impl("cube", lambda x: torch.empty_like(x), "Meta")
+
+
+@pytest.mark.parametrize("check_grad", [True, False])
+def test_op_without_autograd_kernel_is_refused_when_traced(check_grad):
+    """An op with a backend kernel only: torch's autograd fallback records no backward (a warning, and no
+    gradient: the bridge would write zeros), so jax.grad is refused at trace time (whatever check_grad says),
+    naming the op and the fix."""
+    x = torch.arange(3.0, dtype=torch.float64, requires_grad=True)
+    with pytest.warns(UserWarning, match="autograd kernel was not registered"):
+        (g,) = torch.autograd.grad(torch.ops.ktnoag.cube(x).sum(), x, allow_unused=True)
+    assert g is None  # what torch itself gives: no gradient, not 3 x^2
+    k = TorchOpKernel(torch.ops.ktnoag.cube, call_path="callback", check_grad=check_grad)
+    np.testing.assert_allclose(np.asarray(k(jnp.arange(3.0))), [0.0, 1.0, 8.0])  # forward is fine
+    with pytest.raises(NotDifferentiableError, match=r"ktnoag::cube, but the op has no autograd kernel.*"
+                       r"register_autograd\('ktnoag::cube'.*forces output"):
+        jax.grad(lambda x: k(x).sum())(jnp.arange(3.0))
+
+
 def test_backward_that_reads_values_is_differentiable():
     # A backward formula that asks for tensor values (`.item()`) cannot run on fake
     # tensors; it is still a registered formula, so jax.grad must run it on real data.

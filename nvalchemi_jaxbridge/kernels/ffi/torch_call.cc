@@ -30,6 +30,8 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/util/Exception.h>
 
+#include <cxxabi.h>
+
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -132,12 +134,24 @@ ffi::Error run(const Plan& plan, ffi::RemainingArgs args, ffi::RemainingRets ret
   }
 }
 
+// Whether the Python interpreter is shutting down. A thread that asks for the GIL then is ended by
+// Python with a forced unwind, which std::terminate()s the process ("terminate called without an
+// active exception", SIGABRT) where it meets XLA's noexcept frames; the handler refuses to start the
+// op (a Python op body or backward formula takes the GIL inside torch) and takes no GIL itself.
+bool python_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
 // torch's Python autograd engine, when a Python backward formula raises, also sets the error
 // as the thread's pending Python exception before rethrowing it as C++. The handler turns the
 // exception into an FFI error, so the pending one is cleared (JAX would otherwise raise with an
 // exception already set: a SystemError).
 void clear_pending_python_error() {
-  if (!Py_IsInitialized()) return;
+  if (!Py_IsInitialized() || python_finalizing()) return;
   PyGILState_STATE st = PyGILState_Ensure();
   if (PyErr_Occurred() != nullptr) PyErr_Clear();
   PyGILState_Release(st);
@@ -152,6 +166,11 @@ ffi::Error guarded_call(int64_t plan_id, ffi::RemainingArgs args, ffi::Remaining
         " is not registered in this process (a compiled program reused from another process?); call "
         "the TorchOpKernel again in this process so it registers its plan, or use call_path=\"callback\"");
   }
+  if (python_finalizing()) {
+    return ffi::Error::Internal("torch op " + plan->name + ": not run, the Python interpreter is shutting down "
+                                "(a program still ran when the script ended); wait for its results "
+                                "(jax.block_until_ready) before the script ends");
+  }
   std::string msg;
   try {
 #ifdef JB_WITH_CUDA
@@ -164,6 +183,8 @@ ffi::Error guarded_call(int64_t plan_id, ffi::RemainingArgs args, ffi::Remaining
     (void)stream;
 #endif
     return run(*plan, args, rets, device, run_id);
+  } catch (const abi::__forced_unwind&) {
+    throw;  // a thread being ended (pthread_exit, cancellation) must unwind; swallowing it aborts
   } catch (const c10::Error& e) {
     msg = e.what_without_backtrace();
   } catch (const std::exception& e) {
@@ -172,6 +193,12 @@ ffi::Error guarded_call(int64_t plan_id, ffi::RemainingArgs args, ffi::Remaining
     msg = "unknown C++ exception";
   }
   if (plan->mode != Mode::kCall) clear_pending_python_error();
+  const char* fix =
+      plan->mode == Mode::kCall
+          ? ""
+          : " (jax.grad reached this op: where torch names an op with no backward formula, register one with "
+            "torch.library.register_autograd for that op, or use the op's forces output instead of jax.grad of "
+            "its energy)";
   return ffi::Error(ffi::ErrorCode::kInternal,
                     "torch op " + plan->name + " failed inside its FFI " +
                         (plan->mode == Mode::kBackward
@@ -179,23 +206,32 @@ ffi::Error guarded_call(int64_t plan_id, ffi::RemainingArgs args, ffi::Remaining
                                "or re-running the op on the saved inputs): "
                              : plan->mode == Mode::kKeep ? "differentiated call (the op under torch autograd): "
                                                          : "call: ") +
-                        msg);
+                        msg + fix);
 }
 
 // guarded_call, and a failure also written to stderr at once: when the program has collectives, the
 // other devices wait for this one in a rendezvous, and XLA may end the process at its timeout before
 // the returned error reaches Python, which would lose the op's message.
+// No C++ exception leaves the handler (XLA's frames are noexcept: one would std::terminate the process);
+// whatever escapes guarded_call (an allocation failing while the message is written) is an error status.
 ffi::Error guarded(int64_t plan_id, ffi::RemainingArgs args, ffi::RemainingRets rets, c10::Device device,
                    void* stream, int64_t run_id) {
-  ffi::Error err = guarded_call(plan_id, args, rets, device, stream, run_id);
-  if (err.failure()) {
-    std::fprintf(stderr,
-                 "nvalchemi_jaxbridge: on device %s: %s\n(also raised as a JAX error; if other devices wait "
-                 "for this one in a collective, XLA may stop the process before that error reaches Python)\n",
-                 device.str().c_str(), err.message().c_str());
-    std::fflush(stderr);
+  try {
+    ffi::Error err = guarded_call(plan_id, args, rets, device, stream, run_id);
+    if (err.failure()) {
+      std::fprintf(stderr,
+                   "nvalchemi_jaxbridge: on device %s: %s\n(also raised as a JAX error; if other devices wait "
+                   "for this one in a collective, XLA may stop the process before that error reaches Python)\n",
+                   device.str().c_str(), err.message().c_str());
+      std::fflush(stderr);
+    }
+    return err;
+  } catch (const abi::__forced_unwind&) {
+    throw;
+  } catch (...) {
+    return ffi::Error(ffi::ErrorCode::kInternal, "nvalchemi_jaxbridge FFI call: a C++ exception while reporting "
+                                                 "a failed torch op call (out of memory?)");
   }
-  return err;
 }
 
 ffi::Error call_cpu(ffi::RunId run, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t plan) {
@@ -248,15 +284,23 @@ int jb_has_cuda() {
 
 // How many graphs the differentiated-forward plan `id` keeps now (0 for any other plan).
 int64_t jb_kept_graphs(int64_t id) {
-  const Plan* plan = find_plan(id);
-  return plan != nullptr && plan->graphs ? static_cast<int64_t>(plan->graphs->size()) : 0;
+  try {
+    const Plan* plan = find_plan(id);
+    return plan != nullptr && plan->graphs ? static_cast<int64_t>(plan->graphs->size()) : 0;
+  } catch (...) {
+    return -1;
+  }
 }
 
 // How many backwards of the differentiated-forward plan `id` read their token back from the device
 // (the others found their graph by where the token was written; 0 for any other plan).
 int64_t jb_token_reads(int64_t id) {
-  const Plan* plan = find_plan(id);
-  return plan != nullptr && plan->graphs ? plan->graphs->token_reads() : 0;
+  try {
+    const Plan* plan = find_plan(id);
+    return plan != nullptr && plan->graphs ? plan->graphs->token_reads() : 0;
+  } catch (...) {
+    return -1;
+  }
 }
 
 // The message of the last failed jb_register_plan on this thread.
