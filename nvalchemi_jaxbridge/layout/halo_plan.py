@@ -35,6 +35,7 @@ import numpy as np
 from . import _storage, inputs
 from ._assemble import OnOverflow, _assemble, _pair_request, _readonly
 from .errors import HaloOverflowError as HaloOverflowError
+from .budget import MemoryBudget
 from .grid import choose_grid
 from .partition import effective_cell, partition
 
@@ -125,6 +126,7 @@ class HaloPlan:
         pair_capacities: int | Mapping[int, int] | None = None,
         on_overflow: OnOverflow = "replan",
         self_images: bool = True,
+        budget: MemoryBudget | None = None,
     ) -> HaloPlan:
         """Partition `positions` over `n_devices` spatial domains and lay out their halo rows.
 
@@ -151,6 +153,8 @@ class HaloPlan:
                 out of the rows and exchanges and listed in `plan.own_images` (owned row, lattice
                 shift), for a consumer with explicit edges that puts the shift on the edge instead
                 (the model level: one device then holds no ghost rows at all).
+            budget: a `MemoryBudget` (None: none); a rank whose rows would pass `budget.max_rows` raises
+                `LayoutBudgetError` while they are found (`partition.find_ghosts`).
 
         Returns:
             The plan.
@@ -206,7 +210,7 @@ class HaloPlan:
         if ghost_capacity is not None:
             ghost_capacity = inputs.positive_int(where, "ghost_capacity", ghost_capacity)
         pair_request = _pair_request(pair_capacities, n_devices)
-        part = partition(pos, basis, periodic, grid, cutoff + skin)
+        part = partition(pos, basis, periodic, grid, cutoff + skin, budget)
         return cls(**_assemble(
             pos, cell_arr, basis, periodic, tuple(grid), cutoff, skin, n_devices, headroom,
             part, owned_capacity, ghost_capacity, pair_request, on_overflow, bool(self_images),

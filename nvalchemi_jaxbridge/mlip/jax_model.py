@@ -37,7 +37,10 @@ from ..lower import exchange as X
 from ..lower import auto_mesh, make_mesh
 from ..lower.tables import place
 from ..spec import DistributionSpec
+from ..layout.budget import MemoryBudget
+from .contract import atomic_numbers
 from .edges import EdgePlan
+from .memory import check_estimate, model_budget
 from .protocol import MessagePassingWrapper, numpy_dtype
 from .specs import RunSettings, cell_volume, check_model, run_settings, stress_wanted
 from .stages import Stages
@@ -117,25 +120,36 @@ def halo_depth(wrapper: MessagePassingWrapper, exchange: str) -> float:
 
 
 def build_layout(wrapper: MessagePassingWrapper, exchange: str, positions: Any, numbers: Any, cell: Any, pbc: Any,
-                 *, n_devices: int, skin: float, headroom: float, keep: tuple[HaloPlan, EdgePlan] | None = None
+                 *, n_devices: int, skin: float, headroom: float, keep: tuple[HaloPlan, EdgePlan] | None = None,
+                 budget: MemoryBudget | None = None
                  ) -> tuple[HaloPlan, EdgePlan, np.ndarray, np.ndarray, tuple[bool, bool, bool]]:
     """The halo plan (one cutoff, or n_layers cutoffs for the deep halo, plus skin) and its block edges.
 
     `keep`: a `(plan, edges)` pair of the same atoms and periodicity whose grid, capacities
     and message offsets to keep (grown where they no longer fit, as `HaloPlan.rebuild` does),
     so that programs compiled for it run on the new layout (e.g. after the cell changed).
+    `budget`: refuse a layout whose estimated, then counted, rows and edges per device cost more
+    (`memory.check_estimate`, `HaloPlan.build`, `EdgePlan.build`).
+    With the deep halo only rows within `(n_layers - 1) * cutoff + skin` of a device's owned atoms
+    receive edges: a row farther out feeds no owned atom's energy.
     """
     pos, numbers, cell, periodic = checked_structure(positions, numbers, cell, pbc, wrapper.name)
+    numbers = atomic_numbers(numbers, f"{wrapper.name}: numbers")
     kw: dict[str, Any] = {}
     if keep is not None:
         p = keep[0]
         kw = dict(grid=p.grid, owned_capacity=p.owned_capacity, ghost_capacity=p.ghost_capacity,
                   pair_capacities=dict(zip(p.offsets, p.pair_capacities)))
     # Images of a device's own atoms are no rows: their edges carry the lattice shift (EdgePlan.shift).
+    if budget is not None:
+        check_estimate(wrapper, exchange, pos, cell, periodic, n_devices, skin, budget)
     plan = HaloPlan.build(pos, cell, periodic=periodic, cutoff=halo_depth(wrapper, exchange), skin=skin,
-                          n_devices=n_devices, headroom=headroom, self_images=False, **kw)
-    edges = EdgePlan.build(plan, pos, cutoff=wrapper.cutoff, receivers="owned" if exchange == "per_layer" else "all",
-                           headroom=headroom, edge_capacity=None if keep is None else keep[1].edge_capacity)
+                          n_devices=n_devices, headroom=headroom, self_images=False, budget=budget, **kw)
+    per_layer = exchange == "per_layer"
+    edges = EdgePlan.build(plan, pos, cutoff=wrapper.cutoff, receivers="owned" if per_layer else "all",
+                           headroom=headroom, edge_capacity=None if keep is None else keep[1].edge_capacity,
+                           receiver_reach=None if per_layer else (wrapper.n_layers - 1) * wrapper.cutoff + skin,
+                           budget=budget)
     return plan, edges, numbers, cell, periodic
 
 
@@ -167,6 +181,9 @@ class DistributedMLIP:
             rebuilt when an atom has moved more than `skin / 2`.
         headroom: relative headroom of every static capacity.
         call_path: how the stage ops are called ("auto", "ffi", "callback").
+        memory_budget: bytes one device's layout may take (None: half of each device's memory,
+            `mlip.memory`); a layout whose estimated or counted rows and edges cost more is refused
+            before it is built (`LayoutBudgetError`, with the numbers and the fix).
 
     Example:
         >>> model = DistributedMLIP(MPNNWrapper(MPNN([29, 79])), n_devices=8)
@@ -192,12 +209,13 @@ class DistributedMLIP:
 
     def __init__(self, wrapper: MessagePassingWrapper, *, spec: Any = None, n_devices: int | None = None,
                  mesh: Any = None, exchange: str = "per_layer", skin: float = 0.5, headroom: float = 1.2,
-                 call_path: str = "auto") -> None:
+                 call_path: str = "auto", memory_budget: float | None = None) -> None:
         check_model(wrapper, exchange, skin, "DistributedMLIP")
         self.wrapper, self.exchange, self.skin, self.headroom = wrapper, exchange, float(skin), float(headroom)
         self.settings: RunSettings = run_settings(wrapper.distribution_spec() if spec is None else spec,
                                                   per_layer=exchange == "per_layer")
         self.mesh = auto_mesh(mesh) if mesh is not None else make_mesh(n_devices)
+        self.budget = model_budget(memory_budget, exchange, list(self.mesh.devices.flat), "DistributedMLIP")
         gpu = self.mesh.devices.flat[0].platform == "gpu"
         self.stages = Stages.of(wrapper, call_path=call_path, device="cuda" if gpu else "cpu")
         self._value_and_grad = jax.jit(jax.value_and_grad(self.energy_fn, argnums=(1, 2), has_aux=True))
@@ -250,7 +268,8 @@ class DistributedMLIP:
                 and previous.cs.spec.policy == self.settings.policy)
         plan, edges, numbers, cell, periodic = build_layout(
             self.wrapper, self.exchange, positions, numbers, cell, pbc, n_devices=int(self.mesh.devices.size),
-            skin=self.skin, headroom=self.headroom, keep=(previous.plan, previous.edges) if same else None)
+            skin=self.skin, headroom=self.headroom, keep=(previous.plan, previous.edges) if same else None,
+            budget=self.budget)
         return self._state(plan, edges, self.wrapper.node_attrs(numbers), numbers, cell, periodic,
                            cs=previous.cs if same else None)
 

@@ -354,8 +354,16 @@ def test_owned_and_pair_overflow_name_their_capacity():
         plan.rebuild(piled, on_overflow="raise")
     replanned = plan.rebuild(piled)
     assert replanned.owned_capacity >= len(positions) and replanned.n_owned.sum() == len(positions)
-    with pytest.raises(HaloOverflowError, match=r"pair_capacities\[1\] needs 37 .*pair_capacities=\{0: \d+, 1: \d+\}"):
+    with pytest.raises(HaloOverflowError, match=r"pair_capacities\[1\] needs \d+ .*pair_capacities=\{0: \d+, 1: \d+\}"
+                       ) as err:
         HaloPlan.build(positions, cell, cutoff=2.0, n_devices=2, grid=(2, 1, 1), pair_capacities=1, on_overflow="raise")
+    # rank 0 sends rank 1 its atoms within the cutoff of one of rank 1's (any image; brute force)
+    from tests.layout.test_budget import _images_within
+
+    owner_1 = plan.owned_global[1][: plan.n_owned[1]]
+    want = {a for a, *_ in _images_within(positions, cell, owner_1, 2.0)} - set(owner_1.tolist())
+    sent = sum(1 for a, *_ in _images_within(positions, cell, owner_1, 2.0) if a in want)
+    assert err.value.overflows["pair_capacities[1]"][0] == sent
 
 
 def test_rebuild_keeps_capacities_and_offsets():
