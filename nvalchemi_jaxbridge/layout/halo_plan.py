@@ -152,7 +152,10 @@ class HaloPlan:
                 an opaque kernel that finds its neighbours from positions needs. False: they are left
                 out of the rows and exchanges and listed in `plan.own_images` (owned row, lattice
                 shift), for a consumer with explicit edges that puts the shift on the edge instead
-                (the model level: one device then holds no ghost rows at all).
+                (the model level: one device then holds no ghost rows at all). Such a plan holds exactly
+                the images within `cutoff + skin` of a device's atoms; one with self images every image in
+                the search box of its atoms (a superset whose capacities vary less between rebuilds, as an
+                opaque kernel's programs are reused; several times more rows in a skewed cell).
             budget: a `MemoryBudget` (None: none); a rank whose rows would pass `budget.max_rows` raises
                 `LayoutBudgetError` while they are found (`partition.find_ghosts`).
 
@@ -210,7 +213,7 @@ class HaloPlan:
         if ghost_capacity is not None:
             ghost_capacity = inputs.positive_int(where, "ghost_capacity", ghost_capacity)
         pair_request = _pair_request(pair_capacities, n_devices)
-        part = partition(pos, basis, periodic, grid, cutoff + skin, budget)
+        part = partition(pos, basis, periodic, grid, cutoff + skin, budget, exact=not self_images)
         return cls(**_assemble(
             pos, cell_arr, basis, periodic, tuple(grid), cutoff, skin, n_devices, headroom,
             part, owned_capacity, ghost_capacity, pair_request, on_overflow, bool(self_images),

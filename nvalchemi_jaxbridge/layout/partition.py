@@ -10,7 +10,8 @@ caller passed. A periodic axis is cut into `n_k` equal slices of `w_k`; a
 non-periodic axis into `n_k` equal slices of the atoms' extent along it.
 
 For each rank, every image `w_j + t` (integer `t` on periodic axes, `t = 0`
-otherwise) within `reach` (Cartesian) of one of its owned atoms is a ghost, except
+otherwise) within `reach` (Cartesian) of one of its owned atoms is a ghost (with `exact`; else every
+image of the search box below), except
 an owned atom at `t = 0` (that is its owned row); so the owner of an atom sees every
 partner within `reach`, under every periodic image, in the wrapped frame. The
 candidates are the images inside the fractional bounding box of its owned atoms,
@@ -208,11 +209,13 @@ def find_ghosts(
     reach: float,
     basis: np.ndarray,
     budget: MemoryBudget | None = None,
+    exact: bool = True,
 ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
     """Ghost images per rank from wrapped coordinates: `(atom ids, lattice shifts)`, without duplicates.
 
     The images in a rank's search box are candidates; those within `reach` of one of its owned atoms
-    (Cartesian distance, `basis`) are its ghosts. The candidates are counted before any is listed (all
+    (Cartesian distance, `basis`) are its ghosts (`exact=False`: every candidate is one). The candidates
+    are counted before any is listed (all
     ranks' above `_MAX_CANDIDATES` raise, naming `widths` and `reach`), then listed and filtered `_CHUNK`
     at a time; `n_ranks` times a rank's owned + ghost rows above `MAX_PLAN_ROWS` raises the same way, and
     above `budget.max_rows` raises `LayoutBudgetError` (nothing more is listed).
@@ -232,7 +235,7 @@ def find_ghosts(
             _raise_too_large(rank, float(per_atom.sum()), len(boxes), periodic, widths, reach, _MAX_CANDIDATES,
                              ", counted in its search box")
         mine = owner == rank
-        tree = cKDTree(wrapped[mine] @ basis)
+        tree = cKDTree(wrapped[mine] @ basis) if exact else None
         n_owned, kept_atoms, kept_images, kept = int(mine.sum()), [], [], 0
         steps = np.arange(1, math.ceil(float(per_atom.sum()) / _CHUNK)) * _CHUNK
         cuts = np.unique(np.r_[0, np.searchsorted(np.cumsum(per_atom), steps, side="right"), len(wrapped)])
@@ -241,8 +244,11 @@ def find_ghosts(
             atom += lo
             keep = ~((owner[atom] == rank) & ~image.any(axis=1))  # an owned atom at t = 0 is its owned row
             atom, image = atom[keep], image[keep]
-            dist, _ = tree.query((wrapped[atom] + image) @ basis, distance_upper_bound=limit)
-            near = dist <= limit
+            if exact:
+                dist, _ = tree.query((wrapped[atom] + image) @ basis, distance_upper_bound=limit)
+                near = dist <= limit
+            else:
+                near = np.ones(len(atom), dtype=bool)
             kept_atoms.append(atom[near])
             kept_images.append(image[near])
             kept += int(near.sum())
@@ -292,6 +298,7 @@ def partition(
     grid: tuple[int, int, int],
     reach: float,
     budget: MemoryBudget | None = None,
+    exact: bool = True,
 ) -> Partition:
     """Owners, unwrap frames and ghost images (relative to wrapped positions) for `positions` on `grid`.
 
@@ -303,6 +310,8 @@ def partition(
         reach: cutoff + skin; every image within it of an owned atom is a ghost.
         budget: a `MemoryBudget`: a rank may hold at most `budget.max_rows` owned + ghost rows (None: only
             `MAX_PLAN_ROWS` in all).
+        exact: keep the images within `reach` of an owned atom only (True), or every image of the search box
+            (False: a superset whose rows vary less between rebuilds; several times more in a skewed cell).
 
     Returns:
         A `Partition`.
@@ -322,5 +331,5 @@ def partition(
     n_ranks = grid[0] * grid[1] * grid[2]
     wrapped = frac - frame
     boxes = search_boxes(wrapped, owner, n_ranks, reach * reciprocal)
-    atoms, images = find_ghosts(wrapped, periodic, owner, boxes, 1.0 / reciprocal, reach, basis, budget)
+    atoms, images = find_ghosts(wrapped, periodic, owner, boxes, 1.0 / reciprocal, reach, basis, budget, exact)
     return Partition(grid=tuple(grid), owner=owner, frame=frame, ghost_atom=atoms, ghost_image=images)
