@@ -36,6 +36,7 @@ from .coincident import check_coincident
 from ._assemble import OnOverflow, _assemble, _pair_request, _readonly
 from .capacity import Growth, describe, log_growth
 from .errors import HaloOverflowError as HaloOverflowError
+from .budget import MemoryBudget
 from .grid import choose_grid
 from .partition import effective_cell, partition
 
@@ -128,6 +129,7 @@ class HaloPlan:
         self_images: bool = True,
         grow: bool = False,
         grow_all: bool = False,
+        budget: MemoryBudget | None = None,
     ) -> HaloPlan:
         """Partition `positions` over `n_devices` spatial domains and lay out their halo rows.
 
@@ -160,6 +162,12 @@ class HaloPlan:
                 (a consumer whose own capacity grew, e.g. the model level's edges, asks for it).
             grow_all: when capacities grow, grow every fixed one, used or not: after a change of the cell
                 every count scales together (a cell filter), so one growth then covers them all.
+                (the model level: one device then holds no ghost rows at all). Such a plan holds exactly
+                the images within `cutoff + skin` of a device's atoms; one with self images every image in
+                the search box of its atoms (a superset whose capacities vary less between rebuilds, as an
+                opaque kernel's programs are reused; several times more rows in a skewed cell).
+            budget: a `MemoryBudget` (None: none); a rank whose rows would pass `budget.max_rows` raises
+                `LayoutBudgetError` while they are found (`partition.find_ghosts`).
 
         Returns:
             The plan.
@@ -216,7 +224,7 @@ class HaloPlan:
         if ghost_capacity is not None:
             ghost_capacity = inputs.positive_int(where, "ghost_capacity", ghost_capacity)
         pair_request = _pair_request(pair_capacities, n_devices)
-        part = partition(pos, basis, periodic, grid, cutoff + skin)
+        part = partition(pos, basis, periodic, grid, cutoff + skin, budget, exact=not self_images)
         return cls(**_assemble(
             pos, cell_arr, basis, periodic, tuple(grid), cutoff, skin, n_devices, headroom,
             part, owned_capacity, ghost_capacity, pair_request, on_overflow, bool(self_images), bool(grow),

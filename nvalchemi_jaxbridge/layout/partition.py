@@ -10,11 +10,15 @@ caller passed. A periodic axis is cut into `n_k` equal slices of `w_k`; a
 non-periodic axis into `n_k` equal slices of the atoms' extent along it.
 
 For each rank, every image `w_j + t` (integer `t` on periodic axes, `t = 0`
-otherwise) inside the fractional bounding box of its owned atoms, widened by
-`reach * |reciprocal row k|` on axis `k`, is a ghost, except an owned atom at
-`t = 0` (that is its owned row). The widening is a conservative superset of
-"within `reach` of an owned atom", so the owner of an atom sees every partner
-within `reach`, under every periodic image, in the wrapped frame.
+otherwise) within `reach` (Cartesian) of one of its owned atoms is a ghost (with `exact`; else every
+image of the search box below), except
+an owned atom at `t = 0` (that is its owned row); so the owner of an atom sees every
+partner within `reach`, under every periodic image, in the wrapped frame. The
+candidates are the images inside the fractional bounding box of its owned atoms,
+widened by `reach * |reciprocal row k|` on axis `k` (a superset); in a skewed cell
+that box holds several times the images within reach (32 atoms in
+[[7.5,0,0],[7,2.5,0],[3,2,7.5]] with a reach of 12.5 Å on 8 devices: ~11,000 ghosts
+per device in the box, ~2,100 within reach), so only the latter are kept.
 
 The plan's size is bounded before its tables are allocated: a cell whose
 lattice vector lies almost in the plane of the others (`MIN_CELL_SINE`), an
@@ -27,8 +31,11 @@ it) is refused with the axis, atom or rank named.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
+
+from .budget import MemoryBudget, rows_over_budget
 
 # Relative widening of the search margin: a pair at exactly `reach` must not
 # be lost to rounding in the fractional projection.
@@ -39,6 +46,13 @@ MIN_CELL_SINE = 1e-6
 
 MAX_CELLS = 2.0**31
 """An atom may be at most this many cells from the origin along a periodic axis (fractional coordinate)."""
+
+_CHUNK = 2**20
+"""Candidate images listed (and filtered by distance) at a time, per rank."""
+
+_MAX_CANDIDATES = 2**30
+"""Most candidate images the ranks' search boxes may hold in all (counted before any is listed; bounds the time
+of the search as `MAX_PLAN_ROWS` bounds the rows kept)."""
 
 MAX_PLAN_ROWS = 2**30
 """Most rows a plan may hold in all devices' halo blocks, `n_devices * max(owned + ghost rows)`.
@@ -193,26 +207,57 @@ def find_ghosts(
     boxes: tuple[Box, ...],
     widths: np.ndarray,
     reach: float,
+    basis: np.ndarray,
+    budget: MemoryBudget | None = None,
+    exact: bool = True,
 ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
     """Ghost images per rank from wrapped coordinates: `(atom ids, lattice shifts)`, without duplicates.
 
-    Each rank's images are counted before they are listed: `n_ranks` times a rank's rows above
-    `MAX_PLAN_ROWS` raises (`widths`, `reach` go into the message), so no step allocates more.
+    The images in a rank's search box are candidates; those within `reach` of one of its owned atoms
+    (Cartesian distance, `basis`) are its ghosts (`exact=False`: every candidate is one). The candidates
+    are counted before any is listed (all
+    ranks' above `_MAX_CANDIDATES` raise, naming `widths` and `reach`), then listed and filtered `_CHUNK`
+    at a time; `n_ranks` times a rank's owned + ghost rows above `MAX_PLAN_ROWS` raises the same way, and
+    above `budget.max_rows` raises `LayoutBudgetError` (nothing more is listed).
     """
+    from scipy.spatial import cKDTree
+
     atoms_out, images_out = [], []
+    limit = reach * (1.0 + _MARGIN_EPS) + _MARGIN_EPS
     for rank, box in enumerate(boxes):
         if box is None:
             atoms_out.append(np.zeros(0, dtype=np.int64))
             images_out.append(np.zeros((0, 3), dtype=np.int64))
             continue
         tmin, tmax = _image_range(wrapped, box[0], box[1], periodic)
-        rows = float(np.clip(tmax - tmin + 1.0, 0.0, None).prod(axis=1).sum())
-        if len(boxes) * rows > MAX_PLAN_ROWS:
-            _raise_too_large(rank, rows, len(boxes), periodic, widths, reach)
-        atom, image = _images_in_range(tmin, tmax)
-        keep = ~((owner[atom] == rank) & ~image.any(axis=1))  # an owned atom at t = 0 is its owned row
-        atoms_out.append(atom[keep])
-        images_out.append(image[keep])
+        per_atom = np.clip(tmax - tmin + 1.0, 0.0, None).prod(axis=1)
+        if len(boxes) * float(per_atom.sum()) > _MAX_CANDIDATES:
+            _raise_too_large(rank, float(per_atom.sum()), len(boxes), periodic, widths, reach, _MAX_CANDIDATES,
+                             ", counted in its search box")
+        mine = owner == rank
+        tree = cKDTree(wrapped[mine] @ basis) if exact else None
+        n_owned, kept_atoms, kept_images, kept = int(mine.sum()), [], [], 0
+        steps = np.arange(1, math.ceil(float(per_atom.sum()) / _CHUNK)) * _CHUNK
+        cuts = np.unique(np.r_[0, np.searchsorted(np.cumsum(per_atom), steps, side="right"), len(wrapped)])
+        for lo, hi in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+            atom, image = _images_in_range(tmin[lo:hi], tmax[lo:hi])
+            atom += lo
+            keep = ~((owner[atom] == rank) & ~image.any(axis=1))  # an owned atom at t = 0 is its owned row
+            atom, image = atom[keep], image[keep]
+            if exact:
+                dist, _ = tree.query((wrapped[atom] + image) @ basis, distance_upper_bound=limit)
+                near = dist <= limit
+            else:
+                near = np.ones(len(atom), dtype=bool)
+            kept_atoms.append(atom[near])
+            kept_images.append(image[near])
+            kept += int(near.sum())
+            if len(boxes) * (n_owned + kept) > MAX_PLAN_ROWS:
+                _raise_too_large(rank, float(n_owned + kept), len(boxes), periodic, widths, reach, MAX_PLAN_ROWS)
+            if budget is not None and n_owned + kept > budget.max_rows:
+                rows_over_budget(rank, n_owned, kept, budget.max_rows, reach, budget.fix)
+        atoms_out.append(np.concatenate(kept_atoms) if kept_atoms else np.zeros(0, dtype=np.int64))
+        images_out.append(np.concatenate(kept_images) if kept_images else np.zeros((0, 3), dtype=np.int64))
     return tuple(atoms_out), tuple(images_out)
 
 
@@ -229,7 +274,8 @@ def _check_frames(frac: np.ndarray, periodic: tuple[bool, bool, bool]) -> None:
 
 
 def _raise_too_large(
-    rank: int, rows: float, n_ranks: int, periodic: tuple[bool, bool, bool], widths: np.ndarray, reach: float
+    rank: int, rows: float, n_ranks: int, periodic: tuple[bool, bool, bool], widths: np.ndarray, reach: float,
+    limit: int, where: str = "",
 ) -> None:
     """The error for a plan whose halo blocks would hold more than `MAX_PLAN_ROWS` rows (rank `rank` has `rows`)."""
     thin = [f"axis {k} is {widths[k]:.3g} wide, so every atom has ~{2 * reach / widths[k] + 1:.3g} images across it"
@@ -238,7 +284,7 @@ def _raise_too_large(
     shown = [float(f"{w:.3g}") for w in widths]
     raise ValueError(
         f"HaloPlan: the plan would hold {n_ranks * rows:.3g} rows ({n_ranks} devices x {rows:.3g} owned + ghost "
-        f"rows on rank {rank}), above the limit MAX_PLAN_ROWS = {MAX_PLAN_ROWS}; its tables were not allocated. "
+        f"rows on rank {rank}{where}), above the limit MAX_PLAN_ROWS = {limit}; its tables were not allocated. "
         f"The cell's perpendicular widths are {shown} against cutoff + skin = {reach:g}: {why}. Check the "
         "cell and cutoff (units; a periodic cell far thinner than the cutoff), use a smaller cutoff + skin, or "
         "more devices for a large system."
@@ -251,6 +297,8 @@ def partition(
     periodic: tuple[bool, bool, bool],
     grid: tuple[int, int, int],
     reach: float,
+    budget: MemoryBudget | None = None,
+    exact: bool = True,
 ) -> Partition:
     """Owners, unwrap frames and ghost images (relative to wrapped positions) for `positions` on `grid`.
 
@@ -260,6 +308,10 @@ def partition(
         periodic: periodic flag per lattice axis.
         grid: `(nx, ny, nz)` domains per axis.
         reach: cutoff + skin; every image within it of an owned atom is a ghost.
+        budget: a `MemoryBudget`: a rank may hold at most `budget.max_rows` owned + ghost rows (None: only
+            `MAX_PLAN_ROWS` in all).
+        exact: keep the images within `reach` of an owned atom only (True), or every image of the search box
+            (False: a superset whose rows vary less between rebuilds; several times more in a skewed cell).
 
     Returns:
         A `Partition`.
@@ -268,6 +320,8 @@ def partition(
         ValueError: an atom is more than `MAX_CELLS` cells from the origin on a periodic axis, or the
             plan would hold more than `MAX_PLAN_ROWS` rows (each rank's images are counted before they
             are listed, so no step allocates more than that).
+        LayoutBudgetError: a rank would hold more than `budget.max_rows` rows (found `_CHUNK` candidates
+            at a time, so no more than that is listed beyond the limit).
     """
     inv = np.linalg.inv(basis)
     frac = positions @ inv
@@ -277,5 +331,5 @@ def partition(
     n_ranks = grid[0] * grid[1] * grid[2]
     wrapped = frac - frame
     boxes = search_boxes(wrapped, owner, n_ranks, reach * reciprocal)
-    atoms, images = find_ghosts(wrapped, periodic, owner, boxes, 1.0 / reciprocal, reach)
+    atoms, images = find_ghosts(wrapped, periodic, owner, boxes, 1.0 / reciprocal, reach, basis, budget, exact)
     return Partition(grid=tuple(grid), owner=owner, frame=frame, ghost_atom=atoms, ghost_image=images)

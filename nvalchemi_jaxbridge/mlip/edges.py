@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..layout.capacity import Growth, fitted, regrown
+from ..layout.budget import MemoryBudget
 
 RECEIVERS = ("owned", "all")
 
@@ -53,6 +54,8 @@ class EdgePlan:
         cutoff: the model's cutoff; `reach`: the list radius (`cutoff + skin`).
         receivers: "owned" (per-layer exchange) or "all" (deep halo).
         growth: the `capacity.Growth` of `edge_capacity` when a kept capacity was grown (else empty).
+        receiver_reach: with "all", how far from the owned rows a row still receives (None: every row).
+        budget: the `MemoryBudget` the list was checked against (kept for `rebuild`).
     """
 
     edges: np.ndarray
@@ -66,6 +69,8 @@ class EdgePlan:
     receivers: str
     headroom: float
     growth: tuple[Growth, ...] = ()
+    receiver_reach: float | None = None
+    budget: MemoryBudget | None = None
 
     @classmethod
     def build(
@@ -78,6 +83,8 @@ class EdgePlan:
         headroom: float = 1.2,
         edge_capacity: int | None = None,
         grow: bool | str = False,
+        receiver_reach: float | None = None,
+        budget: MemoryBudget | None = None,
     ) -> EdgePlan:
         """Edges of every device's block for `positions` (the plan's atoms, `(N, 3)`).
 
@@ -91,6 +98,11 @@ class EdgePlan:
                 `capacity.GROWTH` times itself (`capacity.regrown`), and so is one that has used part of
                 its headroom when `grow` (the plan grew: the programs recompile anyway), or any kept one
                 when `grow="all"`.
+            receiver_reach: with receivers "all", only the rows within this distance (Å) of one of the
+                device's owned rows receive (None: every real row). The deep halo of an L-layer model
+                needs `(L - 1) * cutoff + skin`: a row farther out feeds no owned atom's energy.
+            budget: a `MemoryBudget`: each device's edges are counted before they are listed, and a
+                device whose rows and edges would cost more raises `LayoutBudgetError`.
 
         Raises:
             ValueError: a bad `receivers`, a cutoff <= 0, or a plan whose halo is
@@ -108,20 +120,39 @@ class EdgePlan:
                 f"EdgePlan.build: the plan's halo reaches {plan.cutoff} + skin {plan.skin} Å but the model "
                 f"needs cutoff {cutoff} + skin; build the HaloPlan with cutoff >= {cutoff}."
             )
+        if receiver_reach is not None and receivers != "all":
+            raise ValueError(
+                f"EdgePlan.build: receiver_reach={receiver_reach!r} narrows receivers='all' (the deep halo), but "
+                f"receivers={receivers!r}; leave receiver_reach None, or pass receivers='all'."
+            )
         d, hr = plan.n_devices, plan.halo_rows
         halo = plan.to_halo(np.asarray(positions, dtype=np.float64), positions=True).reshape(d, hr, 3)
         n_pad = np.asarray(plan.n_padded)
         n_own = np.asarray(plan.n_owned)
         own_images = plan.own_images if plan.own_images else (np.zeros((0, 4), np.int64),) * d
-        per_device = []
+        blocks = []
         for dev in range(d):
             n_real, imgs = int(n_pad[dev]), own_images[dev]
             # the rows, then the images of the device's own atoms that are no rows (as extra points)
             pts = np.concatenate([halo[dev, :n_real], halo[dev, imgs[:, 0]] + imgs[:, 1:] @ plan.basis])
-            pairs = cKDTree(pts).query_pairs(reach, output_type="ndarray") if len(pts) > 1 else np.zeros((0, 2), int)
-            both = np.concatenate([pairs, pairs[:, ::-1]])  # (sender, receiver)
-            both = both[both[:, 1] < (n_own[dev] if receivers == "owned" else n_real)]  # an image never receives
-            extra = both[:, 0] >= n_real
+            recv = _receivers(halo[dev], int(n_own[dev]), n_real, receivers, receiver_reach)
+            trees = (cKDTree(pts[recv]), cKDTree(pts)) if len(recv) else None
+            count = 0 if trees is None else int(trees[0].count_neighbors(trees[1], reach)) - len(recv)  # not itself
+            blocks.append((recv, trees, count))
+        if budget is not None:
+            worst = int(np.argmax([budget.cost(int(n_pad[k]), blocks[k][2]) for k in range(d)]))
+            budget.check("EdgePlan.build", int(n_pad[worst]), blocks[worst][2], estimated=False,
+                         detail=f"; device {worst}, reach {reach:g} Å")
+        per_device = []
+        for dev, (recv, trees, _) in enumerate(blocks):
+            n_real, imgs = int(n_pad[dev]), own_images[dev]
+            if trees is None:
+                both = np.zeros((0, 2), dtype=np.int64)
+            else:
+                near = trees[0].sparse_distance_matrix(trees[1], reach, output_type="ndarray")
+                both = np.stack([near["j"], recv[near["i"]]], axis=1).astype(np.int64)  # (sender, receiver)
+                both = both[both[:, 0] != both[:, 1]]
+            extra = both[:, 0] >= n_real  # an image of an own atom: its owned row, with the lattice shift
             image = np.zeros((len(both), 3), dtype=np.int64)
             image[extra] = imgs[both[extra, 0] - n_real, 1:]
             both[extra, 0] = imgs[both[extra, 0] - n_real, 0]
@@ -142,10 +173,24 @@ class EdgePlan:
             edges[dev, : len(e)] = e
             image[dev, : len(e)] = im
         return cls(edges, -(image @ plan.basis), pad_row, spare, n_edges, int(cap), float(cutoff), reach, receivers,
-                   float(headroom), growth)
+                   float(headroom), growth, receiver_reach, budget)
 
     def rebuild(self, plan: Any, positions: np.ndarray) -> EdgePlan:
         """The edges for a rebuilt plan, keeping this capacity when it suffices (grown otherwise, and with
         the plan's own growth)."""
         return EdgePlan.build(plan, positions, cutoff=self.cutoff, receivers=self.receivers,
-                              headroom=self.headroom, edge_capacity=self.edge_capacity, grow=bool(plan.growth))
+                              headroom=self.headroom, edge_capacity=self.edge_capacity, grow=bool(plan.growth),
+                              receiver_reach=self.receiver_reach, budget=self.budget)
+
+
+def _receivers(block: np.ndarray, n_own: int, n_real: int, receivers: str, reach: float | None) -> np.ndarray:
+    """Rows of one block that receive edges: the owned rows, every real row, or those within `reach` of an owned row."""
+    if receivers == "owned" or n_own == 0:
+        return np.arange(n_own)
+    if reach is None:
+        return np.arange(n_real)
+    from scipy.spatial import cKDTree
+
+    limit = reach * (1.0 + 1e-9) + 1e-9
+    dist, _ = cKDTree(block[:n_own]).query(block[:n_real], distance_upper_bound=limit)
+    return np.flatnonzero(dist <= limit)

@@ -41,8 +41,11 @@ from ..lower.cache import enable_compilation_cache
 from ..lower.finite import check_results
 from ..lower.tables import place
 from ..spec import DistributionSpec
+from ..layout.budget import MemoryBudget
+from .contract import atomic_numbers
 from .edges import EdgePlan
 from .guards import explain
+from .memory import check_estimate, model_budget
 from .protocol import MessagePassingWrapper, numpy_dtype
 from .specs import RunSettings, cell_volume, check_model, run_settings, stress_wanted
 from .stages import Stages
@@ -125,7 +128,8 @@ def halo_depth(wrapper: MessagePassingWrapper, exchange: str) -> float:
 
 def build_layout(wrapper: MessagePassingWrapper, exchange: str, positions: Any, numbers: Any, cell: Any, pbc: Any,
                  *, n_devices: int, skin: float, headroom: float, keep: tuple[HaloPlan, EdgePlan] | None = None,
-                 cell_changed: bool = False) -> tuple[HaloPlan, EdgePlan, np.ndarray, np.ndarray, tuple[bool, bool, bool]]:
+                 cell_changed: bool = False, budget: MemoryBudget | None = None
+                 ) -> tuple[HaloPlan, EdgePlan, np.ndarray, np.ndarray, tuple[bool, bool, bool]]:
     """The halo plan (one cutoff, or n_layers cutoffs for the deep halo, plus skin) and its block edges.
 
     `keep`: a `(plan, edges)` pair of the same atoms and periodicity whose grid, capacities
@@ -134,23 +138,33 @@ def build_layout(wrapper: MessagePassingWrapper, exchange: str, positions: Any, 
     and edges grow together: when either must grow, so does every capacity of both that has used
     part of its headroom, or every one after a change of the cell (`cell_changed`: every count scales
     with it), so one compilation covers them all; `plan.growth + edges.growth` say what grew.
+    `budget`: refuse a layout whose estimated, then counted, rows and edges per device cost more
+    (`memory.check_estimate`, `HaloPlan.build`, `EdgePlan.build`).
+    With the deep halo only rows within `(n_layers - 1) * cutoff + skin` of a device's owned atoms
+    receive edges: a row farther out feeds no owned atom's energy.
     """
     pos, numbers, cell, periodic = checked_structure(positions, numbers, cell, pbc, wrapper.name)
+    numbers = atomic_numbers(numbers, f"{wrapper.name}: numbers")
     kw: dict[str, Any] = {}
     if keep is not None:
         p = keep[0]
         kw = dict(grid=p.grid, owned_capacity=p.owned_capacity, ghost_capacity=p.ghost_capacity,
                   pair_capacities=dict(zip(p.offsets, p.pair_capacities)))
 
+    # Images of a device's own atoms are no rows: their edges carry the lattice shift (EdgePlan.shift).
+    if budget is not None:
+        check_estimate(wrapper, exchange, pos, cell, periodic, n_devices, skin, budget)
+    per_layer = exchange == "per_layer"
+
     def plan_and_edges(grow: bool, edge_capacity: int | None) -> tuple[HaloPlan, EdgePlan]:
-        # Images of a device's own atoms are no rows: their edges carry the lattice shift (EdgePlan.shift).
         plan = HaloPlan.build(pos, cell, periodic=periodic, cutoff=halo_depth(wrapper, exchange), skin=skin,
                               n_devices=n_devices, headroom=headroom, self_images=False, grow=grow,
-                              grow_all=cell_changed, **kw)
-        edges = EdgePlan.build(plan, pos, cutoff=wrapper.cutoff,
-                               receivers="owned" if exchange == "per_layer" else "all", headroom=headroom,
-                               edge_capacity=edge_capacity,
-                               grow=bool(plan.growth) and ("all" if cell_changed else True))
+                              grow_all=cell_changed, budget=budget, **kw)
+        edges = EdgePlan.build(plan, pos, cutoff=wrapper.cutoff, receivers="owned" if per_layer else "all",
+                               headroom=headroom, edge_capacity=edge_capacity,
+                               grow=bool(plan.growth) and ("all" if cell_changed else True),
+                               receiver_reach=None if per_layer else (wrapper.n_layers - 1) * wrapper.cutoff + skin,
+                               budget=budget)
         return plan, edges
 
     plan, edges = plan_and_edges(False, None if keep is None else keep[1].edge_capacity)
@@ -191,6 +205,9 @@ class DistributedMLIP:
             again; logged once at INFO with the capacities, a warning after a few): raise it for a cell
             that will shrink, e.g. 2.0 under a cell filter.
         call_path: how the stage ops are called ("auto", "ffi", "callback").
+        memory_budget: bytes one device's layout may take (None: half of each device's memory,
+            `mlip.memory`); a layout whose estimated or counted rows and edges cost more is refused
+            before it is built (`LayoutBudgetError`, with the numbers and the fix).
 
     Example:
         >>> model = DistributedMLIP(MPNNWrapper(MPNN([29, 79])), n_devices=8)
@@ -216,13 +233,14 @@ class DistributedMLIP:
 
     def __init__(self, wrapper: MessagePassingWrapper, *, spec: Any = None, n_devices: int | None = None,
                  mesh: Any = None, exchange: str = "per_layer", skin: float = 0.5, headroom: float = 1.2,
-                 call_path: str = "auto") -> None:
+                 call_path: str = "auto", memory_budget: float | None = None) -> None:
         check_model(wrapper, exchange, skin, "DistributedMLIP")
         enable_compilation_cache()  # unless the user chose a cache or opted out (lower/cache.py)
         self.wrapper, self.exchange, self.skin, self.headroom = wrapper, exchange, float(skin), float(headroom)
         self.settings: RunSettings = run_settings(wrapper.distribution_spec() if spec is None else spec,
                                                   per_layer=exchange == "per_layer")
         self.mesh = auto_mesh(mesh) if mesh is not None else make_mesh(n_devices)
+        self.budget = model_budget(memory_budget, exchange, list(self.mesh.devices.flat), "DistributedMLIP")
         self._call_path, self._token = call_path, new_token()
         #: every capacity growth of this model's layouts (logged once at INFO; a warning past a few)
         self.growth_log = GrowthLog("DistributedMLIP")
@@ -297,7 +315,8 @@ class DistributedMLIP:
         plan, edges, numbers, cell, periodic = build_layout(
             self.wrapper, self.exchange, positions, numbers, cell, pbc, n_devices=int(self.mesh.devices.size),
             skin=self.skin, headroom=self.headroom, keep=(previous.plan, previous.edges) if same else None,
-            cell_changed=same and not np.array_equal(previous.cell, np.asarray(cell, dtype=np.float64)))
+            cell_changed=same and not np.array_equal(previous.cell, np.asarray(cell, dtype=np.float64)),
+            budget=self.budget)
         self.growth_log.record(plan.growth + edges.growth, self.headroom)
         return self._state(plan, edges, self.wrapper.node_attrs(numbers), numbers, cell, periodic,
                            cs=previous.cs if same else None)

@@ -87,6 +87,9 @@ class MACEWrapper(MessagePassingWrapper):
                 "only models with one readout per layer are supported."
             )
 
+    def model_reach(self) -> tuple[float, int]:
+        return float(self.model.r_max), len(self.model.interactions)
+
     def node_attrs(self, numbers: np.ndarray) -> np.ndarray:
         return one_hot(numbers, self.species, dtype=numpy_dtype(self.dtype), model="MACE")
 

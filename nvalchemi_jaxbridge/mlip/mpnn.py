@@ -100,6 +100,9 @@ class MPNNWrapper(MessagePassingWrapper):
         self.dtype = model.e0.dtype
         self.name = "mpnn"
 
+    def model_reach(self) -> tuple[float, int]:
+        return self.model.cutoff, self.model.n_layers
+
     def node_attrs(self, numbers: np.ndarray) -> np.ndarray:
         return one_hot(numbers, self.model.species, dtype=numpy_dtype(self.dtype), model="MPNN")
 

@@ -47,6 +47,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import contract
+
 Features = torch.Tensor | tuple[torch.Tensor, ...]
 """Node features between layers: one `(rows, ...)` tensor or a tuple of them."""
 
@@ -166,6 +168,14 @@ class MessagePassingWrapper(abc.ABC):
         """
         return None
 
+    def model_reach(self) -> tuple[float, int] | None:
+        """The wrapped model's own `(cutoff, interaction layers)`, where the wrapper knows them.
+
+        Checked against `cutoff` and `n_layers` before a run (`contract.check_attributes`): a wrapper
+        cutoff below the model's leaves out edges the model uses. Default None: not checked.
+        """
+        return None
+
     def distribution_spec(self) -> Any:
         """The model's `MLIPSpec` (default: per-layer halo exchange, forces from node energies,
         stress by strain)."""
@@ -174,9 +184,9 @@ class MessagePassingWrapper(abc.ABC):
         return default_spec()
 
 
-def with_edge_features(wrapper: MessagePassingWrapper, g: BlockGraph) -> BlockGraph:
-    """`g` holding `wrapper.edge_features(g)` for its layers (unchanged if the wrapper shares none)."""
-    feats = wrapper.edge_features(g)
+def with_edge_features(wrapper: MessagePassingWrapper, g: BlockGraph, stage: str = "edge features") -> BlockGraph:
+    """`g` holding `wrapper.edge_features(g)` for its layers (unchanged if the wrapper shares none), checked."""
+    feats = contract.edge_features(wrapper, g, wrapper.edge_features(g), stage)
     return g if feats is None else dataclasses.replace(g, edge_features=as_tuple(feats))
 
 
@@ -193,15 +203,19 @@ def shared_edge_features(wrapper: MessagePassingWrapper, g: BlockGraph) -> tuple
     return as_tuple(feats)
 
 
-def node_energies_of(wrapper: MessagePassingWrapper, g: BlockGraph) -> torch.Tensor:
-    """`(rows,)` node energies of the whole model on `g` in one go: every stage in order, no exchange."""
-    g = with_edge_features(wrapper, g)
-    h = wrapper.embed(g)
+def node_energies_of(wrapper: MessagePassingWrapper, g: BlockGraph, stage: str = "whole model") -> torch.Tensor:
+    """`(rows,)` node energies of the whole model on `g` in one go: every stage in order, no exchange.
+
+    Every stage's result is checked against the protocol (`contract`); `stage` names this run in errors.
+    """
+    g = with_edge_features(wrapper, g, stage)
+    h = contract.embed(wrapper, g, stage)
+    n = len(as_tuple(h))
     total = torch.zeros(g.n_rows, dtype=g.positions.dtype, device=g.positions.device)
     for i in range(wrapper.n_layers):
-        h, e = wrapper.interaction(i, g, h)
+        h, e = contract.interaction(wrapper, i, g, h, stage, n)
         total = total + e
-    return wrapper.node_energies(g, total)
+    return contract.node_energies(wrapper, g, total, stage)
 
 
 def as_tuple(h: Features) -> tuple[torch.Tensor, ...]:
@@ -221,7 +235,7 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
 
 def one_hot(numbers: np.ndarray, species: Sequence[int], *, dtype: Any, model: str) -> np.ndarray:
     """`(N, len(species))` one-hot rows of `numbers` in `species` order; unknown species raise."""
-    numbers = np.asarray(numbers).reshape(-1)
+    numbers = contract.atomic_numbers(numbers, model)
     index = {int(z): k for k, z in enumerate(species)}
     if bad := sorted({int(z) for z in numbers} - set(index)):
         raise ValueError(

@@ -122,7 +122,8 @@ def run_settings(spec: Any, *, per_layer: bool) -> RunSettings:
 
 
 def check_model(wrapper: Any, exchange: str, skin: float, where: str) -> None:
-    """Raise unless `wrapper` is a wrapper, `exchange` a known exchange and `skin` >= 0 (for `where`'s message)."""
+    """Raise unless `wrapper` is a wrapper that declares itself as the protocol asks (`contract.check_attributes`),
+    `exchange` a known exchange and `skin` >= 0 (for `where`'s message)."""
     from .protocol import MessagePassingWrapper
 
     if not isinstance(wrapper, MessagePassingWrapper):
@@ -130,6 +131,9 @@ def check_model(wrapper: Any, exchange: str, skin: float, where: str) -> None:
             f"{where}: expected a MessagePassingWrapper, got {type(wrapper).__name__}; wrap the model (see "
             "nvalchemi_jaxbridge.mlip.MessagePassingWrapper and the guide's 'Writing a wrapper for your own model')."
         )
+    from .contract import check_attributes
+
+    check_attributes(wrapper, where)
     if exchange not in EXCHANGES:
         raise ValueError(f"{where}: exchange must be one of {EXCHANGES}, got {exchange!r}.")
     if not skin >= 0:

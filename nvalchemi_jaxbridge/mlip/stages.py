@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ..kernels.torch_fn import torch_function
+from . import contract
 from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, node_energies_of, with_edge_features
 
 
@@ -48,7 +49,7 @@ def block_graph(positions: torch.Tensor, node_attrs: torch.Tensor, edges: torch.
 
 
 def _n_features(wrapper: MessagePassingWrapper, device: torch.device) -> int:
-    """How many tensors `wrapper.embed` returns (probed on a two-row fake block on `device`)."""
+    """How many tensors `wrapper.embed` returns (probed on a two-row fake block on `device`, checked)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     n_attrs = wrapper.node_attrs(np.zeros(0, dtype=np.int64)).shape[1]
@@ -56,7 +57,7 @@ def _n_features(wrapper: MessagePassingWrapper, device: torch.device) -> int:
         f = {"dtype": wrapper.dtype, "device": device}
         g = BlockGraph(torch.zeros((2, 3), **f), torch.zeros((2, n_attrs), **f),
                        torch.zeros((2, 1), dtype=torch.int64, device=device), torch.ones((1, 3), **f))
-        return len(as_tuple(wrapper.embed(g)))
+        return len(as_tuple(contract.embed(wrapper, g, "shape probe on a two-row block")))
 
 
 def _n_edge_features(wrapper: MessagePassingWrapper, device: torch.device) -> int:
@@ -70,19 +71,8 @@ def _n_edge_features(wrapper: MessagePassingWrapper, device: torch.device) -> in
     g = BlockGraph(torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.5, 0.25]], **f), torch.zeros((2, n_attrs), **f),
                    torch.tensor([[0], [1]], dtype=torch.int64, device=device), torch.zeros((1, 3), **f))
     with torch.no_grad():
-        feats = wrapper.edge_features(g)
-    if feats is None:
-        return 0
-    feats = as_tuple(feats)
-    bad = [k for k, t in enumerate(feats) if not isinstance(t, torch.Tensor) or t.ndim < 1 or t.shape[0] != 1]
-    if not feats or bad:
-        raise TypeError(
-            f"{wrapper.name}: edge_features must return one or more per-edge tensors (E, ...) (a tensor or a "
-            "tuple) or None; "
-            f"on a one-edge block its results {bad} are not (E, ...) tensors. Return only tensors with one row "
-            "per edge (move node-wise work into the layers)."
-        )
-    return len(feats)
+        feats = contract.edge_features(wrapper, g, wrapper.edge_features(g), "shape probe on a one-edge block")
+    return 0 if feats is None else len(as_tuple(feats))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -147,33 +137,45 @@ class Stages:
         def graph(pos, attrs, edges, shifts, edge_features=None) -> BlockGraph:
             return block_graph(pos, attrs, edges, shifts, n_receivers, edge_features)
 
-        def layer(i: int, g: BlockGraph, h: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
-            h_new, e = wrapper.interaction(i, g, h if n > 1 else h[0])
+        def stage(label: str) -> str:
+            return f"'{name}_{label}' of the JAX door"
+
+        def layer(i: int, g: BlockGraph, h: tuple[Any, ...], where: str) -> tuple[tuple[Any, ...], Any]:
+            h_new, e = contract.interaction(wrapper, i, g, h if n > 1 else h[0], where, n)
             return as_tuple(h_new), e
 
         def first(*arrays):
-            g = with_edge_features(wrapper, graph(*arrays))
-            h, e = layer(0, g, as_tuple(wrapper.embed(g)))
+            where = stage("layer_0")
+            g = with_edge_features(wrapper, graph(*arrays), where)
+            h, e = layer(0, g, as_tuple(contract.embed(wrapper, g, where)), where)
             return (*(g.edge_features or ()), *h, e)
 
         def middle(i: int):
             def fn(pos, attrs, edges, shifts, *rest):
                 ef, h = rest[:n_edge], rest[n_edge:]
-                h, e = layer(i, graph(pos, attrs, edges, shifts, ef if n_edge else None), h)
+                h, e = layer(i, graph(pos, attrs, edges, shifts, ef if n_edge else None), h, stage(f"layer_{i}"))
                 return (*h, e)
             return fn
 
         def last(pos, attrs, edges, shifts, *rest):
             ef, h, earlier = rest[:n_edge], rest[n_edge:-1], rest[-1]
             g = graph(pos, attrs, edges, shifts, ef if n_edge else None)
-            _, e = layer(n_layers - 1, g, h)
-            return wrapper.node_energies(g, earlier + e)
+            where = stage(f"layer_{n_layers - 1}")
+            _, e = layer(n_layers - 1, g, h, where)
+            return contract.node_energies(wrapper, g, earlier + e, where)
 
         def whole(*arrays):
-            return node_energies_of(wrapper, graph(*arrays))
+            return node_energies_of(wrapper, graph(*arrays), stage("whole"))
 
         def op(fn, n_in: int, n_out: int, label: str) -> Any:
-            return torch_function(fn, n_in, n_out, label=f"{name}_{label}", call_path=call_path)
+            record = contract.ShapeRecord(wrapper, stage(label))
+
+            def checked(*arrays):
+                out = fn(*arrays)
+                record.check(arrays, out)
+                return out
+
+            return torch_function(checked, n_in, n_out, label=f"{name}_{label}", call_path=call_path)
 
         staged = n_layers > 1
         return StageOps(

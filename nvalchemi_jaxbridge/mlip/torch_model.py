@@ -38,8 +38,10 @@ from ..spec import AdapterRegistry, ModuleForwardAdapter
 from ..torch import functions as F
 from ..torch.agreement import check_same_structure, layout_key
 from ..torch.layer_exchange import fold_halo, refresh_halo
+from . import contract
 from .edges import EdgePlan
 from .guards import explain
+from .memory import check_argument, model_budget
 from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, like, numpy_dtype, with_edge_features
 from .specs import RunSettings, as_mlip_spec, cell_volume, check_model, run_settings, stress_wanted
 from .state_check import checked_call, fingerprint_change, needs_replan, new_token, wrapper_fingerprint
@@ -65,13 +67,15 @@ class StagedModel(torch.nn.Module):
         self.layers = torch.nn.ModuleList(_Layer(wrapper, i) for i in range(wrapper.n_layers))
 
     def forward(self, g: BlockGraph) -> torch.Tensor:
-        g = with_edge_features(self.wrapper, g)  # once, for every layer
-        h = self.wrapper.embed(g)
-        total = None
+        w, where = self.wrapper, "StagedModel.forward of the PyTorch door"
+        g = with_edge_features(w, g, where)  # once, for every layer
+        h = contract.embed(w, g, where)
+        n, total = len(as_tuple(h)), None
         for layer in self.layers:
-            h, e = layer(g, h)
+            # the refresh adapter may stand in for layer.forward: the result is checked here
+            h, e = contract.interaction_result(w, layer.i, g, layer(g, h), where, n)
             total = e if total is None else total + e
-        return self.wrapper.node_energies(g, total)
+        return contract.node_energies(w, g, total, where)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -141,7 +145,8 @@ class TorchDistributedMLIP:
         wrapper: a `MessagePassingWrapper`.
         spec: an `MLIPSpec`/`DistributionSpec`, or None for the wrapper's own.
         exchange: "per_layer" or "deep_halo" (as for `DistributedMLIP`).
-        skin, headroom: as for `DistributedMLIP`.
+        skin, headroom, memory_budget: as for `DistributedMLIP` (the default budget shares the host's memory
+            between the `LOCAL_WORLD_SIZE` processes of a CPU host).
         device: where this rank's model runs. None (default): the model stays where it is and
             must already be on the rank's device (`rank_device()`: `cuda:LOCAL_RANK` after
             `initialize()` on a GPU machine, else `cpu`). A device (`"cuda"` is the current
@@ -186,7 +191,8 @@ class TorchDistributedMLIP:
         return super().__new__(cls)
 
     def __init__(self, wrapper: MessagePassingWrapper, *, spec: Any = None, exchange: str = "per_layer",
-                 skin: float = 0.5, headroom: float = 1.2, device: Any = None) -> None:
+                 skin: float = 0.5, headroom: float = 1.2, device: Any = None, memory_budget: float | None = None
+                 ) -> None:
         check_model(wrapper, exchange, skin, "TorchDistributedMLIP")
         self.wrapper, self.exchange, self.skin, self.headroom = wrapper, exchange, float(skin), float(headroom)
         self.spec = as_mlip_spec(wrapper.distribution_spec() if spec is None else spec)
@@ -198,6 +204,8 @@ class TorchDistributedMLIP:
         if self.requested_device is not None:
             for module in wrapper_modules(wrapper):
                 module.to(self.requested_device)
+        check_argument(memory_budget, "TorchDistributedMLIP")
+        self.memory_budget = memory_budget
         self._device: torch.device | None = None  # the rank's device, once checked (first evaluation)
         self._ctx: Any = None
 
@@ -287,10 +295,15 @@ class TorchDistributedMLIP:
         """The layout (same on every rank): halo plan and block edges."""
         from .jax_model import build_layout
 
+        import jax
+
         self._sync()
+        mesh = F.front_door_mesh()
+        budget = model_budget(self.memory_budget, self.exchange, [mesh.devices.flat[jax.process_index()]],
+                              "TorchDistributedMLIP")
         plan, edges, numbers, cell, periodic = build_layout(
             self.wrapper, self.exchange, positions, numbers, cell, pbc,
-            n_devices=F.front_door_mesh().devices.size, skin=self.skin, headroom=self.headroom)
+            n_devices=mesh.devices.size, skin=self.skin, headroom=self.headroom, budget=budget)
         return TorchState(plan, edges, numbers, cell, periodic, self._fingerprint)
 
     def update(self, state: TorchState, positions: Any) -> TorchState:

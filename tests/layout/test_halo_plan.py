@@ -160,7 +160,8 @@ def test_random_systems_are_owned_covered_and_exchanged(system):
 @hypothesis.given(systems())
 def test_without_self_images_the_rows_and_own_images_are_the_plans_ghosts(system):
     """`self_images=False` moves exactly the images of a device's own atoms out of its rows into
-    `own_images` (owned row, shift); the other ghosts, their exchanges and the coverage stay."""
+    `own_images` (owned row, shift), and keeps only the images within reach of an owned atom; their
+    exchanges and the coverage stay."""
     positions, cell, periodic, cutoff, skin, n_devices, grid = system
     kw = dict(periodic=periodic, cutoff=cutoff, skin=skin, n_devices=n_devices, grid=grid)
     full = HaloPlan.build(positions, cell, **kw)
@@ -175,7 +176,14 @@ def test_without_self_images_the_rows_and_own_images_are_the_plans_ghosts(system
         kept = {(int(lean.halo_global[d, r]), *map(int, lean.halo_image[d, r]))
                 for r in range(lean.n_owned[d], lean.n_padded[d])}
         own = {(int(lean.owned_global[d, o[0]]), *map(int, o[1:])) for o in lean.own_images[d]}
-        assert kept | own == ghosts and not kept & own
+        # the lean plan keeps the search box's images within reach of an owned atom (the full one keeps all)
+        assert kept | own <= ghosts and not kept & own
+        pos_w = positions - full.frame @ full.basis
+        owned = pos_w[full.owned_global[d, : full.n_owned[d]]]
+        reach = cutoff + skin
+        for a, *t in ghosts:
+            near = np.linalg.norm(owned - (pos_w[a] + np.array(t) @ full.basis), axis=1).min() <= reach
+            assert near == ((a, *t) in kept | own), (a, t)
         assert all(lean.owner[a] != d for a, *_ in kept) and all(lean.owner[a] == d for a, *_ in own)
         assert len(own) == len(lean.own_images[d])  # listed once each
     if n_devices == 1:

@@ -139,7 +139,7 @@ def test_edge_features_that_are_not_per_edge_are_refused_with_the_fix():
         def edge_features(self, g):
             return (g.positions,)  # one row per node, not per edge
 
-    with pytest.raises(TypeError, match=r"filterconv: edge_features must return .* per-edge tensors"):
+    with pytest.raises(TypeError, match=r"'filterconv'\)\.edge_features\(g\).* returned .*per-edge tensors"):
         Stages.of(NodeWise(FilterConv(), (29, 79)))
 
 

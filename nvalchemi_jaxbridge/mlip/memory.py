@@ -1,0 +1,72 @@
+"""A model's layout budget: how much memory one device's block may take, and the estimate checked before building.
+
+`memory_budget=` of `DistributedMLIP` / `TorchDistributedMLIP` is in bytes per device. The default
+is `budget.DEFAULT_FRACTION` (half) of what each device has: a GPU's memory limit, or on the CPU
+the host's available memory shared by its devices (virtual CPU devices of one process, or the
+processes of one host on the PyTorch door, `LOCAL_WORLD_SIZE`). The layout is refused (with its
+numbers and the fix) when its estimate, its rows, or its edges would cost more
+(`layout.budget`): per-layer exchange, more devices, or a larger budget where the memory is there.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..layout import budget as B
+from ..layout.grid import choose_grid
+from ..layout.partition import effective_cell
+
+
+def device_bytes(devices: Sequence[Any], processes_per_host: int = 1) -> float:
+    """Memory each of `devices` (JAX devices, all of one kind) can use: a GPU's limit, or its share of the host."""
+    first = devices[0]
+    if first.platform != "cpu":
+        stats = first.memory_stats() or {}
+        if stats.get("bytes_limit"):
+            return float(stats["bytes_limit"])
+    local = sum(1 for d in devices if d.process_index == first.process_index)
+    return B.host_available_bytes() / max(local * processes_per_host, 1)
+
+
+def check_argument(memory_budget: Any, where: str) -> None:
+    """Raise unless `memory_budget` is None or a number of bytes > 0."""
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(
+            memory_budget, (int, float, np.integer, np.floating)) or not memory_budget > 0):
+        raise ValueError(
+            f"{where}: memory_budget must be a number of bytes per device > 0, or None for half of each device's "
+            f"memory; got {memory_budget!r}."
+        )
+
+
+def model_budget(memory_budget: Any, exchange: str, devices: Sequence[Any], where: str,
+                 processes_per_host: int | None = None) -> B.MemoryBudget:
+    """The budget of a model's layouts: `memory_budget` bytes per device, or the default share of `devices`' memory.
+
+    Raises:
+        ValueError: `memory_budget` is not a number > 0 (or None).
+    """
+    check_argument(memory_budget, where)
+    if processes_per_host is None:
+        processes_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    default = memory_budget is None
+    value = B.DEFAULT_FRACTION * device_bytes(devices, processes_per_host) if default else float(memory_budget)
+    fix = ("use exchange='per_layer' (a halo of one cutoff instead of n_layers cutoffs, same numbers), more "
+           "devices, " if exchange == "deep_halo" else "use more devices, ")
+    fix += (f"or, where the memory is there, a larger memory_budget= (bytes per device; "
+            f"{'the default is half of each device' + chr(39) + 's memory' if default else 'it was given'})")
+    return B.MemoryBudget(value, fix)
+
+
+def check_estimate(wrapper: Any, exchange: str, positions: np.ndarray, cell: np.ndarray,
+                   periodic: tuple[bool, bool, bool], n_devices: int, skin: float, budget: B.MemoryBudget) -> None:
+    """Refuse, before any table is built, a layout whose estimated rows and edges per device exceed `budget`."""
+    basis = effective_cell(cell, periodic, positions)
+    grid = choose_grid(n_devices, basis, periodic)
+    depth = wrapper.cutoff if exchange == "per_layer" else wrapper.n_layers * wrapper.cutoff
+    receive = None if exchange == "per_layer" else (wrapper.n_layers - 1) * wrapper.cutoff + skin
+    est = B.estimate(positions, basis, periodic, grid, depth + skin, wrapper.cutoff + skin, receive)
+    budget.check(f"{wrapper.name} ({exchange}, {n_devices} devices)", est.rows, est.edges, estimated=True)
