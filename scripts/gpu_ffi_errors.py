@@ -75,7 +75,7 @@ jax.grad(lambda x: k(x, 2.0).sum())(x)
 from ase.build import bulk
 from nvalchemi_jaxbridge.mlip import MPNN, MPNNWrapper, DistributedMLIP
 atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(2)
-model = DistributedMLIP(MPNNWrapper(MPNN([29], seed=0)), n_devices=1)
+model = DistributedMLIP(MPNNWrapper(MPNN([29], seed=0).to("cuda" if {platform!r} == "cuda" else "cpu")), n_devices=1)
 print("energy", model.evaluate(atoms.positions, atoms.numbers, atoms.cell.array)["energy"])
 pos = atoms.positions.copy(); pos[5, 0] = np.nan
 model.evaluate(pos, atoms.numbers, atoms.cell.array)
@@ -90,7 +90,7 @@ def main() -> int:
     platform = "cpu" if args.cpu else "cuda"
     ok = True
     for name, (body, rc, wanted) in _CASES.items():
-        code = textwrap.dedent(_PRELUDE.format(platform=platform)) + textwrap.dedent(body)
+        code = textwrap.dedent(_PRELUDE.format(platform=platform)) + textwrap.dedent(body).replace("{platform!r}", repr(platform))
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                              env=os.environ | {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
         text = res.stdout + res.stderr
