@@ -194,7 +194,7 @@ class ModelRunReport:
 
     @property
     def drift(self) -> tuple[float, float]:
-        """(max |E_tot(t) - E_tot(0)| / N in eV/atom, |fit slope| in eV/atom/ps) over `md_steps`."""
+        """(largest `abs(E_tot(t) - E_tot(0)) / N` in eV/atom, `abs` of the fit slope in eV/atom/ps) over `md_steps`."""
         e = self.total_energy_per_atom_eV
         drift = float(np.max(np.abs(e - e[0])))
         if e.size < 2:

@@ -164,7 +164,8 @@ def md(model: DistributedMLIP, positions: Any, velocities: Any, masses: Any, num
         the seconds of the whole call.
 
     Raises:
-        NonFiniteError: a NaN or inf in positions, velocities, masses or `dt` (before the run), or in a
+        nvalchemi_jaxbridge.layout.finite.NonFiniteError: a NaN or inf in positions, velocities, masses or
+            `dt` (before the run), or in a
             step's positions, velocities, forces or energy (the message names the step, the atoms and,
             for a model output at finite positions, the model stage that made it).
         ValueError: a mass <= 0 or `dt` <= 0.

@@ -95,3 +95,17 @@ def test_each_function_has_one_name_in_the_docs_and_notebooks():
                 names.setdefault(id(obj), set()).add(f"{module}.{attr}")
     twice = sorted(sorted(paths) for paths in names.values() if len(paths) > 1)
     assert not twice, f"functions named by more than one path in the docs and notebooks: {twice}"
+
+
+def test_troubleshooting_is_ordered_by_symptom_with_a_module_appendix():
+    text = (ROOT / "docs" / "troubleshooting.md").read_text()
+    chapters = re.findall(r"^## (.+)$", text, flags=re.M)
+    assert chapters[0] == "Index by symptom" and chapters[-1] == "Appendix: sections by module"
+    body = chapters[1:-1]
+    assert not [c for c in body if "layer" in c.lower()], f"chapters named by layer, not symptom: {body}"
+    appendix = text.split("## Appendix: sections by module", 1)[1]
+    modules = set(re.findall(r"^### `([\w/.]+\.py)` · `\w+`", text, flags=re.M))
+    listed = set(re.findall(r"^\| `([\w/.]+\.py)` \| \[", appendix, flags=re.M))
+    assert modules == listed, f"appendix misses {sorted(modules - listed)}, lists stale {sorted(listed - modules)}"
+    for target in re.findall(r"\]\(#([\w-]+)\)", appendix):
+        assert any(re.sub(r"[^\w\- ]", "", c.lower()).strip().replace(" ", "-") == target for c in body), target
