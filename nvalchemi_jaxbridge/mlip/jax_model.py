@@ -31,7 +31,6 @@ from jax.sharding import PartitionSpec as P
 
 from ..layout import HaloPlan
 from ..layout.capacity import GrowthLog
-from ..layout.finite import check_structure
 from ..layout.structure import checked_structure
 from ..lower import collectives as C
 from ..lower import compile as lower_compile
@@ -49,7 +48,8 @@ from .memory import check_estimate, model_budget
 from .protocol import MessagePassingWrapper, numpy_dtype
 from .specs import RunSettings, cell_volume, check_model, run_settings, stress_wanted
 from .stages import Stages
-from .state_check import checked_call, fingerprint_change, needs_replan, new_token, require_current, wrapper_fingerprint
+from .state_check import (fingerprint_change, needs_replan, new_token, require_current, state_for_call,
+                          wrapper_fingerprint)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -449,14 +449,8 @@ class DistributedMLIP:
                 message names what differs and the fix).
         """
         s = self.settings
-        check_structure("DistributedMLIP.evaluate", positions, cell)  # also with state=, where prepare is skipped
-        if state is None:
-            state, pos = self.prepare(positions, numbers, cell, pbc), np.asarray(positions, dtype=np.float64)
-        else:
-            self._sync()
-            pos = checked_call(state, self._fingerprint, positions, numbers, cell, pbc,
-                               where="DistributedMLIP.evaluate", prepare="model.prepare(positions, numbers, cell, "
-                               "pbc, previous=state)", update="model.update(state, positions)")
+        state, pos = state_for_call(self, state, positions, numbers, cell, pbc, where="DistributedMLIP.evaluate",
+                                    prepare="model.prepare(positions, numbers, cell, pbc, previous=state)")
         want_stress = stress_wanted(s, stress, "DistributedMLIP.evaluate")
         pos_owned = state.cs.owned(pos.astype(self._np_dtype()), positions=True, check=False)
         energy, node_e, g_pos, g_strain = self.energy_and_gradients(state, pos_owned, strain=want_stress)

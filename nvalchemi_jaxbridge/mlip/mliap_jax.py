@@ -34,7 +34,6 @@ from jax.sharding import PartitionSpec as P
 from ..lower import collectives as C
 from ..lower import compile as lower_compile
 from ..lower import auto_mesh, make_mesh
-from ..layout.finite import check_structure
 from ..lower.finite import check_results
 from ..lower.tables import place
 from ..spec import DistributionSpec, HaloStoragePolicy
@@ -45,7 +44,7 @@ from .mliap_data import BlockData
 from .mliap_ops import SegmentOps
 from .mliap_torch import layout
 from .specs import cell_volume
-from .state_check import checked_call, fingerprint_change, mliap_fingerprint, needs_replan, new_token, require_current
+from .state_check import fingerprint_change, mliap_fingerprint, needs_replan, new_token, require_current, state_for_call
 
 
 def _refresh(x: jax.Array, t: Any, axis: str) -> jax.Array:
@@ -230,14 +229,7 @@ class JaxMLIAP:
     def evaluate(self, positions: Any, numbers: Any, cell: Any, pbc: Any = True, *,
                  state: ModelState | None = None, stress: bool | None = None) -> dict[str, Any]:
         """Energy, forces, stress (default: when every axis is periodic) and atomic energies, global order."""
-        check_structure("DistributedMLIP.evaluate", positions, cell)  # also with state= (no prepare)
-        if state is None:
-            state, pos = self.prepare(positions, numbers, cell, pbc), np.asarray(positions, dtype=np.float64)
-        else:  # the state must hold for this call (see DistributedMLIP.evaluate)
-            self._sync()
-            pos = checked_call(state, self._fingerprint, positions, numbers, cell, pbc,
-                               where="DistributedMLIP.evaluate", prepare="model.prepare(positions, numbers, cell, "
-                               "pbc)", update="model.update(state, positions)")
+        state, pos = state_for_call(self, state, positions, numbers, cell, pbc, where="DistributedMLIP.evaluate")
         want = all(state.periodic) if stress is None else bool(stress)
         pos_owned = state.cs.owned(pos, positions=True, check=False)
         energy, node_e, g_pos, g_strain = self.energy_and_gradients(state, pos_owned, strain=want)

@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from ..layout import HaloPlan
-from ..layout.finite import check_structure
 from ..layout.structure import checked_structure
 from ..lower.finite import check_results
 from ..torch import functions as F
@@ -36,7 +35,7 @@ from .mliap import ExchangeStep, MLIAPModel, check_schedule, identity_exchange
 from .mliap_data import BlockData, MLIAPError, pair_virial, row_forces
 from .mliap_kokkos import block_data
 from .specs import cell_volume
-from .state_check import checked_call, fingerprint_change, mliap_fingerprint, needs_replan, new_token
+from .state_check import fingerprint_change, mliap_fingerprint, needs_replan, new_token, state_for_call
 
 _DTYPES = {1: torch.float32, 2: torch.float64, 3: torch.float16, 4: torch.bfloat16}
 _MAX_STEPS = 64
@@ -146,14 +145,7 @@ class TorchMLIAP:
         """
         check_same_structure(positions, numbers, cell, pbc, caller="TorchDistributedMLIP.evaluate",
                              layout=None if state is None else layout_key(state.plan, state.edges))
-        check_structure("TorchDistributedMLIP.evaluate", positions, cell)  # also with state= (no prepare)
-        if state is None:
-            state, pos = self.prepare(positions, numbers, cell, pbc), np.asarray(positions, dtype=np.float64)
-        else:  # the state must hold for this call (see DistributedMLIP.evaluate)
-            self._sync()
-            pos = checked_call(state, self._fingerprint, positions, numbers, cell, pbc,
-                               where="TorchDistributedMLIP.evaluate", prepare="model.prepare(positions, numbers, "
-                               "cell, pbc)", update="model.update(state, positions)")
+        state, pos = state_for_call(self, state, positions, numbers, cell, pbc, where="TorchDistributedMLIP.evaluate")
         ctx = F.context_for(state.plan)
         data = self._block(ctx, state, pos)
         if self.model.schedule is None:

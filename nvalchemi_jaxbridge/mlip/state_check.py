@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..layout.displacement import moved_atoms, moved_text, to_plan_image
+from ..layout.finite import check_structure
 
 _TOKENS = itertools.count(1)
 
@@ -170,3 +171,18 @@ def is_current(potential: Any, state: Any) -> bool:
     """Whether `state` was made by `potential` as it is now (a potential without fingerprints: always)."""
     fp = getattr(potential, "fingerprint", None)
     return fp is None or fingerprint_change(state, fp()) is None
+
+
+def state_for_call(door: Any, state: Any, positions: Any, numbers: Any, cell: Any, pbc: Any, *, where: str,
+                   prepare: str = "model.prepare(positions, numbers, cell, pbc)") -> tuple[Any, np.ndarray]:
+    """`(state, positions)` for one evaluation of a model door (`prepare`, `_sync`, `_fingerprint`).
+
+    Inputs finite (also with a state, where `prepare` is skipped); no state: a fresh one; a state:
+    the door follows a changed model first, then `checked_call` (positions at the state's images).
+    """
+    check_structure(where, positions, cell)
+    if state is None:
+        return door.prepare(positions, numbers, cell, pbc), np.asarray(positions, dtype=np.float64)
+    door._sync()
+    return state, checked_call(state, door._fingerprint, positions, numbers, cell, pbc, where=where,
+                               prepare=prepare, update="model.update(state, positions)")

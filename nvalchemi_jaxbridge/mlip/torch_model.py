@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from ..layout import HaloPlan
-from ..layout.finite import check_structure
 from ..lower.finite import check_results
 from ..lower import exchange as X
 from ..spec import AdapterRegistry, ModuleForwardAdapter
@@ -44,7 +43,7 @@ from .guards import explain
 from .memory import check_argument, model_budget
 from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, like, numpy_dtype, with_edge_features
 from .specs import RunSettings, as_mlip_spec, cell_volume, check_model, run_settings, stress_wanted
-from .state_check import checked_call, fingerprint_change, needs_replan, new_token, wrapper_fingerprint
+from .state_check import fingerprint_change, needs_replan, new_token, state_for_call, wrapper_fingerprint
 
 
 class _Layer(torch.nn.Module):
@@ -341,14 +340,7 @@ class TorchDistributedMLIP:
         # every rank the same structure, before any exchange whose size depends on it (one small all-gather)
         check_same_structure(positions, numbers, cell, pbc, caller="TorchDistributedMLIP.evaluate",
                              layout=None if state is None else layout_key(state.plan, state.edges))
-        check_structure("TorchDistributedMLIP.evaluate", positions, cell)  # also with state= (no prepare)
-        if state is None:
-            state, pos = self.prepare(positions, numbers, cell, pbc), np.asarray(positions, dtype=np.float64)
-        else:  # the state must hold for this call (see DistributedMLIP.evaluate)
-            self._sync()
-            pos = checked_call(state, self._fingerprint, positions, numbers, cell, pbc,
-                               where="TorchDistributedMLIP.evaluate", prepare="model.prepare(positions, numbers, "
-                               "cell, pbc)", update="model.update(state, positions)")
+        state, pos = state_for_call(self, state, positions, numbers, cell, pbc, where="TorchDistributedMLIP.evaluate")
         want_stress = stress_wanted(s, stress, "TorchDistributedMLIP.evaluate")
         ctx = F.context_for(state.plan)
         self._ctx = ctx
