@@ -228,7 +228,7 @@ def run_model(config: ModelRunConfig, *, progress: Callable[..., Any] | None = N
     from ..mlip import DistributedMLIP
     from ..mlip.dynamics import Langevin, md
     from ..mlip.model_files import is_mliap_model
-    from ..mlip.jax_model import build_layout
+    from ..mlip.model_layout import build_layout
     from . import guards, outputs
     from .run_config import configure_jax
 

@@ -38,7 +38,7 @@ from ..lower.finite import check_results
 from ..lower.tables import place
 from ..spec import DistributionSpec, HaloStoragePolicy
 from .guards import explain
-from .jax_model import ModelState
+from .model_layout import ModelState
 from .mliap import MLIAPModel, identity_exchange
 from .mliap_data import BlockData
 from .mliap_ops import SegmentOps

@@ -292,7 +292,7 @@ class TorchDistributedMLIP:
 
     def prepare(self, positions: Any, numbers: Any, cell: Any, pbc: Any = True) -> TorchState:
         """The layout (same on every rank): halo plan and block edges."""
-        from .jax_model import build_layout
+        from .model_layout import build_layout
 
         import jax
 
