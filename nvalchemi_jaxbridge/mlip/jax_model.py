@@ -40,8 +40,12 @@ from ..lower.tables import place
 from ..spec import DistributionSpec
 from .edges import EdgePlan
 from .guards import explain
-from .memory import model_budget
+from .memory import check_tiles_fit, model_budget, tables_budget
 from .model_layout import ModelState, active_edges, build_layout, halo_depth
+from .tiled import tile_arrays, tiled_node_energies
+from . import tile_choice
+from .memory_probe import ModelCost, probe_cost
+from .tiles import TilePlan, check_tiles
 from .protocol import MessagePassingWrapper, numpy_dtype
 from .specs import RunSettings, cell_volume, check_model, run_settings, stress_wanted
 from .stages import Stages
@@ -80,6 +84,9 @@ class DistributedMLIP:
             again; logged once at INFO with the capacities, a warning after a few): raise it for a cell
             that will shrink, e.g. 2.0 under a cell filter.
         call_path: how the stage ops are called ("auto", "ffi", "callback").
+        tiles: evaluate each device's block in this many tiles, one after another, each with its own deep
+            halo (`mlip.tiles`): memory per device is one tile's intermediates, the numbers are the same.
+            Needs `exchange="deep_halo"`; 1 (the default): the block in one go.
         memory_budget: bytes one device's layout may take (None: half of each device's memory,
             `mlip.memory`); a layout whose estimated or counted rows and edges cost more is refused
             before it is built (`LayoutBudgetError`, with the numbers and the fix).
@@ -108,8 +115,11 @@ class DistributedMLIP:
 
     def __init__(self, wrapper: MessagePassingWrapper, *, spec: Any = None, n_devices: int | None = None,
                  mesh: Any = None, exchange: str = "per_layer", skin: float = 0.5, headroom: float = 1.2,
-                 call_path: str = "auto", memory_budget: float | None = None) -> None:
+                 call_path: str = "auto", memory_budget: float | None = None, tiles: int = 1) -> None:
         check_model(wrapper, exchange, skin, "DistributedMLIP")
+        self.tiles = check_tiles(tiles, exchange, "DistributedMLIP")
+        self.model_cost: ModelCost | None = None  # tiles="auto": the model's measured memory cost
+        self.tile_choice: tile_choice.TileChoice | None = None  # and the last layout's choice
         enable_compilation_cache()  # unless the user chose a cache or opted out (lower/cache.py)
         self.wrapper, self.exchange, self.skin, self.headroom = wrapper, exchange, float(skin), float(headroom)
         self.settings: RunSettings = run_settings(wrapper.distribution_spec() if spec is None else spec,
@@ -191,13 +201,49 @@ class DistributedMLIP:
             self.wrapper, self.exchange, positions, numbers, cell, pbc, n_devices=int(self.mesh.devices.size),
             skin=self.skin, headroom=self.headroom, keep=(previous.plan, previous.edges) if same else None,
             cell_changed=same and not np.array_equal(previous.cell, np.asarray(cell, dtype=np.float64)),
-            budget=self.budget)
-        self.growth_log.record(plan.growth + edges.growth, self.headroom)
+            budget=self.budget if self.tiles == 1 else tables_budget(self.budget, self.tiles))
+        tiles = self._tiles(plan, edges, positions, numbers, previous.tiles if same else None)
+        self.growth_log.record(plan.growth + edges.growth + (tiles.growth if tiles else ()), self.headroom)
         return self._state(plan, edges, self.wrapper.node_attrs(numbers), numbers, cell, periodic,
-                           cs=previous.cs if same else None)
+                           cs=previous.cs if same else None, tiles=tiles)
+
+    def _tiles(self, plan: HaloPlan, edges: EdgePlan, positions: Any, numbers: np.ndarray, keep: TilePlan | None
+               ) -> TilePlan | None:
+        """The block's tiles (None without tiles), with `keep`'s capacities where they suffice."""
+        if self.tiles == 1:
+            return None
+        pos = np.asarray(positions, dtype=np.float64)
+        if self.tiles == "auto":
+            return self._auto_tiles(plan, edges, pos, numbers, keep)
+        if keep is not None and keep.n_tiles == self.tiles:
+            tiles = keep.rebuild(plan, edges, pos, self.wrapper.n_layers)
+        else:
+            tiles = TilePlan.build(plan, edges, pos, n_tiles=self.tiles, n_layers=self.wrapper.n_layers,
+                                   headroom=self.headroom)
+        check_tiles_fit(self.budget, tiles, f"{self.wrapper.name} (deep_halo, {self.tiles} tiles per device)")
+        return tiles
+
+    def _auto_tiles(self, plan: HaloPlan, edges: EdgePlan, pos: np.ndarray, numbers: np.ndarray,
+                    keep: TilePlan | None) -> TilePlan | None:
+        """`tiles="auto"`: `keep`'s tile count while its largest tile still fits, else the fewest that fit."""
+        if self.model_cost is None:  # measured once per model, on its device (mlip.memory_probe)
+            gpu = self.mesh.devices.flat[0].platform == "gpu"
+            self.model_cost = probe_cost(self.wrapper, np.unique(numbers), "cuda" if gpu else "cpu")
+        cost, n_layers = self.model_cost, self.wrapper.n_layers
+        where = f"{self.wrapper.name} (deep_halo, tiles='auto')"
+        if keep is not None:
+            again = keep.rebuild(plan, edges, pos, n_layers)
+            held = float(tables_budget(self.budget, 0).cost(plan.n_padded, edges.n_edges).max())
+            if cost.predict(again.n_rows, again.n_edges).max() <= self.budget.bytes - held:
+                return again
+        self.tile_choice, tiles = tile_choice.choose(
+            cost, self.budget, plan.n_padded, edges.n_edges, plan.n_owned,
+            lambda n: TilePlan.build(plan, edges, pos, n_tiles=n, n_layers=n_layers, headroom=self.headroom), where,
+            held=float(tables_budget(self.budget, 0).cost(plan.n_padded, edges.n_edges).max()))
+        return tiles
 
     def _state(self, plan: HaloPlan, edges: EdgePlan, attrs: np.ndarray, numbers: np.ndarray, cell: np.ndarray,
-               periodic: tuple[bool, bool, bool], cs: Any = None) -> ModelState:
+               periodic: tuple[bool, bool, bool], cs: Any = None, tiles: TilePlan | None = None) -> ModelState:
         # One compiled spec per model, on each layout's plan: a jitted program traced for one layout is
         # reused by every later one of equal capacities (a second prepare of the same atoms included)
         base = cs if cs is not None else self._compiled
@@ -211,7 +257,7 @@ class DistributedMLIP:
         shift = edges.shift.reshape(-1, 3).astype(self._np_dtype())
         return ModelState(plan, edges, cs, place(edges.edges.reshape(-1, 2), row), place(shift, row),
                           place(edges.spare.reshape(-1), row), cs.owned(attrs), numbers, cell, periodic,
-                          self._fingerprint)
+                          self._fingerprint, tiles, None if tiles is None else tile_arrays(tiles, row))
 
     def needs_rebuild(self, state: ModelState, positions: Any) -> bool:
         """Whether `state` no longer holds for `positions`: an atom more than skin/2 from the layout's
@@ -234,9 +280,10 @@ class DistributedMLIP:
             self.wrapper, self.exchange, positions, state.numbers, state.cell, state.periodic,
             n_devices=int(self.mesh.devices.size), skin=self.skin, headroom=self.headroom,
             keep=(state.plan, state.edges))
-        self.growth_log.record(plan.growth + edges.growth, self.headroom)
+        tiles = self._tiles(plan, edges, positions, state.numbers, state.tiles)
+        self.growth_log.record(plan.growth + edges.growth + (tiles.growth if tiles else ()), self.headroom)
         attrs = self.wrapper.node_attrs(state.numbers)
-        return self._state(plan, edges, attrs, state.numbers, state.cell, state.periodic, cs=state.cs)
+        return self._state(plan, edges, attrs, state.numbers, state.cell, state.periodic, cs=state.cs, tiles=tiles)
 
     # ---------------------------------------------------------------- programs
 
@@ -258,7 +305,7 @@ class DistributedMLIP:
         # Per layer, only the owned rows receive edges (EdgePlan receivers="owned").
         st = self.stages.for_receivers(None if deep else cs.tables.owned_capacity)
 
-        def body(t, edges, edge_shift, spare, attrs, pos, eps):
+        def body(t, edges, edge_shift, spare, attrs, pos, eps, tiles):
             sym = ((eps + eps.T) / 2).astype(pos.dtype)
             pos_h = C.halo_forward(pos, t, axis, positions=True)
             pos_h = pos_h + pos_h @ sym
@@ -266,7 +313,9 @@ class DistributedMLIP:
             attrs_h = C.halo_forward(attrs, t, axis)
             e_idx, shifts = active_edges(pos_h, edges, edge_shift, spare, w.cutoff, far)
             graph = (pos_h, attrs_h, e_idx, shifts)
-            if deep or st.first is None:  # the whole model as one op (deep halo, or a single layer)
+            if tiles is not None:  # the deep halo's block, tile by tile
+                node_e = tiled_node_energies(st.whole, pos_h, shifts, attrs_h, e_idx[:, 0] != spare, tiles, far)
+            elif deep or st.first is None:  # the whole model as one op (deep halo, or a single layer)
                 node_e = st.whole(*graph)
             else:
                 out = st.first(*graph)  # edge features (once, for every layer), layer 0's h and energy term
@@ -282,9 +331,11 @@ class DistributedMLIP:
             return jax.lax.psum(jnp.sum(own), axis), own
 
         smap = jax.shard_map(
-            body, mesh=cs.mesh, in_specs=(cs.tables.specs(axis), P(axis), P(axis), P(axis), P(axis), P(axis), P()),
+            body, mesh=cs.mesh,
+            in_specs=(cs.tables.specs(axis), P(axis), P(axis), P(axis), P(axis), P(axis), P(), P(axis)),
             out_specs=(P(), P(axis)), check_vma=True)
-        return smap(cs.tables, state.edge_table, state.edge_shift, state.spare, state.attrs, pos_owned, strain)
+        return smap(cs.tables, state.edge_table, state.edge_shift, state.spare, state.attrs, pos_owned, strain,
+                    state.tile_arrays)
 
     def energy_and_gradients(self, state: ModelState, pos_owned: jax.Array, *, strain: bool = True
                              ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:

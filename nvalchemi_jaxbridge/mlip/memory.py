@@ -10,6 +10,7 @@ numbers and the fix) when its estimate, its rows, or its edges would cost more
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -70,3 +71,27 @@ def check_estimate(wrapper: Any, exchange: str, positions: np.ndarray, cell: np.
     receive = None if exchange == "per_layer" else (wrapper.n_layers - 1) * wrapper.cutoff + skin
     est = B.estimate(positions, basis, periodic, grid, depth + skin, wrapper.cutoff + skin, receive)
     budget.check(f"{wrapper.name} ({exchange}, {n_devices} devices)", est.rows, est.edges, estimated=True)
+
+
+TABLE_BYTES_PER_ROW = 64
+"""Bytes a row of a block evaluated in tiles keeps outside the tiles (positions, attributes, their gradients)."""
+
+TABLE_BYTES_PER_EDGE = 112
+"""Bytes an edge of a block evaluated in tiles keeps outside the tiles: the block's edge, shift and spare, the
+shift's gradient, and the tile tables' entries (an edge lies in about two tiles)."""
+
+
+def tables_budget(budget: B.MemoryBudget, tiles: int) -> B.MemoryBudget:
+    """`budget` for the block's tables alone: with tiles, a block's evaluation holds one tile's intermediates."""
+    return dataclasses.replace(
+        budget, bytes_per_row=TABLE_BYTES_PER_ROW, bytes_per_edge=TABLE_BYTES_PER_EDGE,
+        fix=f"use more devices (the block's tables alone do not fit, whatever the tiles; tiles={tiles}), " + budget.fix)
+
+
+def check_tiles_fit(budget: B.MemoryBudget, tiles: Any, where: str) -> None:
+    """Refuse, before the first evaluation, tiles whose largest one costs more than `budget` (the fix: more tiles)."""
+    cost = budget.cost(tiles.n_rows, tiles.n_edges)
+    d, t = np.unravel_index(int(np.argmax(cost)), cost.shape)
+    more = dataclasses.replace(budget, fix=f"use more tiles (tiles={2 * tiles.n_tiles} or more), " + budget.fix)
+    more.check(where, int(tiles.n_rows[d, t]), int(tiles.n_edges[d, t]), estimated=False,
+               detail=f"; its largest tile, tile {t} of device {d}, of {tiles.n_tiles} tiles")

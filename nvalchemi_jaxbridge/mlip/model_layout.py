@@ -23,6 +23,8 @@ from .contract import atomic_numbers
 from .edges import EdgePlan
 from .memory import check_estimate
 from .protocol import MessagePassingWrapper
+from .tiled import TileArrays
+from .tiles import TilePlan
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -44,12 +46,20 @@ class ModelState:
     cell: np.ndarray
     periodic: tuple[bool, bool, bool]
     fingerprint: Any = None  # state_check.Fingerprint: the driver and the model as they were at prepare
+    tiles: TilePlan | None = None  # the block's tiles (None: the block in one go)
+    tile_arrays: TileArrays | None = None  # their tables, (D * T, ...) each, P(axis)
 
     def rows_per_device(self) -> list[dict[str, int]]:
-        """Owned, ghost and edge counts per device (what each device computes on)."""
+        """Owned, ghost and edge counts per device (what each device computes on), and its tiles' largest
+        rows and edges when it is evaluated in tiles."""
         p, e = self.plan, self.edges
-        return [{"owned": int(p.n_owned[d]), "ghost": int(p.n_ghost[d]), "edges": int(e.n_edges[d])}
-                for d in range(p.n_devices)]
+        out = [{"owned": int(p.n_owned[d]), "ghost": int(p.n_ghost[d]), "edges": int(e.n_edges[d])}
+               for d in range(p.n_devices)]
+        if self.tiles is not None:
+            for d, row in enumerate(out):
+                row.update(tiles=self.tiles.n_tiles, tile_rows=int(self.tiles.n_rows[d].max(initial=0)),
+                           tile_edges=int(self.tiles.n_edges[d].max(initial=0)))
+        return out
 
 
 class _Aux:
@@ -57,7 +67,9 @@ class _Aux:
 
     def __init__(self, state: ModelState):
         self.state = state
-        self.key = (state.edges.edge_capacity, state.cs.tables.static_key, state.fingerprint)
+        t = state.tiles
+        shape = None if t is None else (t.n_tiles, t.row_capacity, t.edge_capacity)
+        self.key = (state.edges.edge_capacity, state.cs.tables.static_key, state.fingerprint, shape)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Aux) and self.key == other.key
@@ -68,9 +80,9 @@ class _Aux:
 
 jax.tree_util.register_pytree_node(
     ModelState,
-    lambda s: ((s.cs, s.edge_table, s.edge_shift, s.spare, s.attrs), _Aux(s)),
+    lambda s: ((s.cs, s.edge_table, s.edge_shift, s.spare, s.attrs, s.tile_arrays), _Aux(s)),
     lambda aux, ch: dataclasses.replace(aux.state, cs=ch[0], edge_table=ch[1], edge_shift=ch[2], spare=ch[3],
-                                        attrs=ch[4]),
+                                        attrs=ch[4], tile_arrays=ch[5]),
 )
 
 
