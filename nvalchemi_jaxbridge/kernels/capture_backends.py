@@ -6,7 +6,7 @@ tensors, and `forward()` (and with `grad`, `backward()`) that replay the
 recorded work on those buffers: `forward` reads `inputs` and writes `outputs`;
 `backward` reads `grad_outputs` and the activations the last `forward` left, and
 writes `grad_inputs`. Who calls a recording (`cuda_graphs.GraphedFunction`)
-copies a call's tensors into `inputs` and hands out `outputs`, the same for
+copies a call's tensors into `inputs` and copies of `outputs` out, the same for
 every backend.
 
 - `CudaGraphs`: warm-up runs, then `torch.cuda.CUDAGraph` captures of the
@@ -66,7 +66,7 @@ class CaptureBackend(Protocol):
         ...
 
     def lane(self, t: torch.Tensor) -> Hashable:
-        """What keeps the recordings of concurrent callers apart (a device; a thread)."""
+        """What keeps recordings apart besides the signature: the device (a GPU's one stream)."""
         ...
 
     def record(self, fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...], grad: bool) -> Recording:
@@ -184,8 +184,8 @@ def _captured(graph: Any, pool: Any, thunk: Callable[[], Any]) -> Any:
 # ----------------------------------------------------------------------------- the CPU stand-in
 
 _HOST_READS = frozenset({"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__",
-                         "__complex__", "nonzero", "argwhere", "unique", "unique_consecutive", "masked_select",
-                         "bincount"})
+                         "__complex__", "is_nonzero", "equal", "allclose", "nonzero", "argwhere", "unique",
+                         "unique_consecutive", "masked_select", "bincount"})
 
 
 class _RefuseHostReads(TorchFunctionMode):
@@ -197,8 +197,15 @@ class _RefuseHostReads(TorchFunctionMode):
         masked = name in ("__getitem__", "__setitem__", "index_put_", "index_put") and any(
             isinstance(a, torch.Tensor) and a.dtype == torch.bool
             for a in _flat(args[1:2] if name.startswith("__") else args[1:]))
+        if name == "repeat_interleave" and isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"),
+                                                      torch.Tensor) and kwargs.get("output_size") is None:
+            masked, name = True, "repeat_interleave (tensor repeats, no output_size)"
+        if name == "to" and args and isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu" and any(
+                torch.device(a).type == "cpu" for a in (*args[1:], kwargs.get("device"))
+                if isinstance(a, (str, torch.device))):
+            masked, name = True, "to('cpu') (a copy to the host)"
         if name in _HOST_READS or masked:
-            what = f"{name} with a boolean mask" if masked else name
+            what = name if " " in name else f"{name} with a boolean mask" if masked else name
             raise CaptureError(
                 f"the stage calls {what}, which reads tensor values on the host or makes a shape that depends on "
                 "them; a CUDA graph capture cannot record that")
@@ -218,8 +225,8 @@ class FakeCapture:
     Recording runs `fn` once (refusing host reads, as a capture does); a forward replay runs `fn`
     on the static inputs and copies its results into the static outputs, keeping its autograd graph as
     the recording's activations; a backward replay differentiates those activations with the static
-    cotangents into the static gradients. Recordings are per thread (XLA runs several CPU devices,
-    which torch sees as one, on several threads).
+    cotangents into the static gradients. XLA's CPU devices, which torch sees as one, share the
+    recordings (their calls take turns on each one's lock).
     """
 
     name = "fake capture"
@@ -228,7 +235,7 @@ class FakeCapture:
         return True
 
     def lane(self, t: torch.Tensor) -> Hashable:
-        return (t.device, threading.get_ident())
+        return t.device
 
     def record(self, fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...], grad: bool) -> Recording:
         with _RefuseHostReads(), torch.set_grad_enabled(grad):

@@ -8,20 +8,24 @@ records the call; each input's shape, dtype and requires_grad), with the
 backends of `capture_backends`, and replays it from then on; a capacity growth
 or a new dtype is a new signature, recorded in turn.
 
-Aliasing, as `torch.cuda.make_graphed_callables` does it: a call's tensors are
-copied into the recording's static inputs, and its results are the static
-outputs, valid until the next replay of that recording (the FFI handler and the
-callbacks copy them into XLA's buffers at once). Under autograd one node
+Buffers: a call's tensors are copied into the recording's static inputs, the
+replay writes the static outputs, and the call returns copies of them, all under
+the recording's lock (so callers on several threads, such as XLA's CPU devices
+sharing torch's one CPU device, never read another call's results; on a GPU the
+copies are queued on the same stream as the replay). Under autograd one node
 (`_Replay`) replays the forward; its backward copies the cotangents into the
-static ones, replays the recorded backward and returns the static gradients.
+static ones, replays the recorded backward and returns copies of the static
+gradients.
 That backward reads the activations of the last forward replay: where another
 forward of the same recording ran in between (two `jax.vjp` calls, then their
 pullbacks), a generation count sees it, and that backward runs eagerly on its
 saved inputs instead (same numbers; `StageGraphs.eager_backwards` counts them).
 A recording reads the model's weights where they were at capture: changed in
 place (`load_state_dict`, an optimiser step) they are seen; a parameter or
-buffer whose storage moved (`param.data = ...`) makes the signature record
-again. Replacing a module's parameter by a new object is not seen: build a new
+buffer whose storage moved (`param.data = ...`, `model.to(...)`) makes every
+stage record again (the op wrapped with `checks_weights`, the first of each
+evaluation, compares the storages: one pointer per tensor per evaluation).
+Replacing a module's parameter by a new object is not seen: build a new
 `DistributedMLIP` then.
 
 Capture checks itself: after recording, one replay (forward, and backward with
@@ -109,7 +113,7 @@ class StageGraphs:
     Args:
         backend: how to record and replay (`CudaGraphs`, `FakeCapture`).
         model: the model's name, for the log line.
-        weights: the model's parameters and buffers (read once per recording, to see storage that moved).
+        weights: the model's parameters and buffers (read at the first call, and again where storage moved).
 
     Attributes:
         off: None while recording is on, else why it was turned off (logged once).
@@ -122,11 +126,28 @@ class StageGraphs:
         self.backend, self.model, self.weights = backend, model, weights
         self.off: str | None = None
         self.captures = self.replays = self.eager_backwards = 0
+        self.epoch = 0  # recordings of an older epoch were made with weights whose storage has moved since
+        self._held: list[torch.Tensor] | None = None
+        self._pointers: list[int] = []
         self._count = threading.Lock()
 
-    def wrap(self, fn: Callable[..., Any], name: str) -> GraphedFunction:
-        """`fn` (tensors -> a tensor or a tuple of them) recorded and replayed by this model's switch."""
-        return GraphedFunction(fn, name, self)
+    def wrap(self, fn: Callable[..., Any], name: str, *, checks_weights: bool = False) -> GraphedFunction:
+        """`fn` (tensors -> a tensor or a tuple of them) recorded and replayed by this model's switch.
+
+        `checks_weights`: this function is the first of each evaluation, and compares the weights'
+        storage with the recordings' before it runs.
+        """
+        return GraphedFunction(fn, name, self, checks_weights)
+
+    def check_weights(self) -> None:
+        """Start a new epoch (every function records again) where a weight's storage moved since the last look."""
+        with self._count:
+            if self._held is not None and [w.data_ptr() for w in self._held] == self._pointers:
+                return
+            moved = self._held is not None
+            self._held = list(self.weights())  # held: their storage is not reused while recordings read it
+            self._pointers = [w.data_ptr() for w in self._held]
+            self.epoch += moved
 
     def turn_off(self, name: str, inputs: Sequence[torch.Tensor], e: BaseException) -> None:
         """Record nothing more for this model, with one log line saying why (the first failure only)."""
@@ -146,33 +167,27 @@ class StageGraphs:
 
 
 class _Entry:
-    """One recording in use: its buffers, replay generation, and the weights it was recorded with."""
+    """One recording in use: its buffers, replay generation, and the weights' epoch it was recorded in."""
 
-    def __init__(self, fn: Callable[..., Any], rec: Recording, weights: Sequence[torch.Tensor]) -> None:
-        self.fn, self.rec = fn, rec
+    def __init__(self, fn: Callable[..., Any], rec: Recording, epoch: int) -> None:
+        self.fn, self.rec, self.epoch = fn, rec, epoch
         self.copy_in = tuple(x.detach() for x in rec.inputs)  # writes into a leaf without autograd's objection
         self.leaves = tuple(x.requires_grad for x in rec.inputs)
-        self.weights = tuple(weights)
-        self.pointers = [w.data_ptr() for w in self.weights]
         self.generation = 0
         self.lock = threading.Lock()
 
-    def current(self) -> bool:
-        return [w.data_ptr() for w in self.weights] == self.pointers
-
-    def forward(self, ts: Sequence[torch.Tensor]) -> int:
-        """Copy `ts` in and replay the forward; returns this replay's generation."""
+    def forward(self, ts: Sequence[torch.Tensor]) -> tuple[int, tuple[torch.Tensor, ...]]:
+        """Copy `ts` in, replay the forward, copy the outputs out; returns this replay's generation and them."""
         with self.lock, torch.no_grad():
             for s, t in zip(self.copy_in, ts):
-                if s.data_ptr() != t.data_ptr():
-                    s.copy_(t)
+                s.copy_(t)
             self.rec.forward()
             self.generation += 1
-            return self.generation
+            return self.generation, tuple(o.clone() for o in self.rec.outputs)
 
     def backward(self, generation: int, cotangents: Sequence[torch.Tensor | None]
                  ) -> tuple[torch.Tensor | None, ...] | None:
-        """The static input gradients for `cotangents`, or None when a later forward replayed over the activations."""
+        """The input gradients for `cotangents` (copies), or None when a later forward replayed over the activations."""
         with self.lock, torch.no_grad():
             if generation != self.generation:
                 return None
@@ -180,7 +195,7 @@ class _Entry:
                 if s is not None:
                     s.copy_(c) if c is not None else s.zero_()
             self.rec.backward()
-            return tuple(None if g is None else g.detach() for g in self.rec.grad_inputs)
+            return tuple(None if g is None else g.clone() for g in self.rec.grad_inputs)
 
     def eager_backward(self, saved: Sequence[torch.Tensor], cotangents: Sequence[torch.Tensor | None]
                        ) -> tuple[torch.Tensor | None, ...]:
@@ -201,10 +216,8 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, entry: _Entry, graphs: StageGraphs, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.entry, ctx.graphs = entry, graphs
-        ctx.generation = entry.forward(ts)
+        ctx.generation, outs = entry.forward(ts)
         ctx.save_for_backward(*ts)  # for an eager backward, where the activations were replayed over
-        # new tensor objects on the static storage (autograd sets their grad_fn; the static ones stay bare)
-        outs = tuple(o.detach() for o in entry.rec.outputs)
         ctx.mark_non_differentiable(*(o for o, c in zip(outs, entry.rec.grad_outputs) if c is None))
         return outs
 
@@ -222,8 +235,8 @@ class _Replay(torch.autograd.Function):
 class GraphedFunction:
     """`fn` recorded once per signature and replayed (see the module docstring); eager where nothing applies."""
 
-    def __init__(self, fn: Callable[..., Any], name: str, graphs: StageGraphs) -> None:
-        self.fn, self.name, self.graphs = fn, name, graphs
+    def __init__(self, fn: Callable[..., Any], name: str, graphs: StageGraphs, checks_weights: bool = False) -> None:
+        self.fn, self.name, self.graphs, self.checks_weights = fn, name, graphs, checks_weights
         self._entries: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()
         self._single: bool | None = None  # whether fn returns one tensor, not a tuple
 
@@ -231,10 +244,12 @@ class GraphedFunction:
         g = self.graphs
         if g.off is not None or _EAGER.get() or not ts or not g.backend.applies(ts[0]) or _is_fake(ts[0]):
             return self.fn(*ts)
+        if self.checks_weights or g._held is None:
+            g.check_weights()
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
         key = (g.backend.lane(ts[0]), grad, tuple((t.shape, t.dtype, grad and t.requires_grad) for t in ts))
         entry = self._entries.get(key)
-        if entry is None or not entry.current():
+        if entry is None or entry.epoch != g.epoch:
             entry = self._record(key, ts, grad)
             if entry is None:
                 return self.fn(*ts)
@@ -242,8 +257,7 @@ class GraphedFunction:
         if grad:
             outs = _Replay.apply(entry, g, *ts)
         else:
-            entry.forward(ts)
-            outs = entry.rec.outputs
+            outs = entry.forward(ts)[1]
         return outs[0] if self._single else tuple(outs)
 
     def _record(self, key: tuple, ts: Sequence[torch.Tensor], grad: bool) -> _Entry | None:
@@ -251,7 +265,7 @@ class GraphedFunction:
         g = self.graphs
         with _CAPTURE:
             entry = self._entries.get(key)
-            if entry is not None and entry.current():
+            if entry is not None and entry.epoch == g.epoch:
                 return entry
             if g.off is not None:
                 return None
@@ -260,14 +274,14 @@ class GraphedFunction:
                     inputs = tuple(t.detach().clone(memory_format=torch.contiguous_format) for t in ts)
                 for x, t in zip(inputs, ts):
                     x.requires_grad_(grad and t.requires_grad)
-                weights = list(g.weights())
+                epoch = g.epoch
                 rec = g.backend.record(self.fn, inputs, grad)
                 self._single = _check_replay(self.fn, rec, grad)
             except Exception as e:  # noqa: BLE001 - any failure means: eager, with the reason logged once
                 g.turn_off(self.name, ts, e)
                 return None
             old = self._entries.pop(key, None)
-            self._entries[key] = _Entry(self.fn, rec, weights)
+            self._entries[key] = _Entry(self.fn, rec, epoch)
             same = [k for k in self._entries if k[:2] == key[:2]]
             for k in same[:-KEEP]:
                 del self._entries[k]

@@ -189,7 +189,8 @@ class Stages:
 
         def op(fn, n_in: int, n_out: int, label: str) -> Any:
             record = contract.ShapeRecord(wrapper, stage(label))
-            run = fn if self.graphs is None else self.graphs.wrap(fn, f"{name}_{label}")
+            run = fn if self.graphs is None else self.graphs.wrap(
+                fn, f"{name}_{label}", checks_weights=label in ("layer_0", "whole"))  # the first op of a program
 
             def checked(*arrays):
                 out = run(*arrays)

@@ -49,7 +49,7 @@ def eager_grads(fn, xs, cts):
 
 def graphed(fn, backend=None, weights=tuple):
     graphs = cg.StageGraphs(backend or cg.FakeCapture(), "test", weights)
-    return graphs.wrap(fn, "stage"), graphs
+    return graphs.wrap(fn, "stage", checks_weights=True), graphs
 
 
 @hypothesis.settings(max_examples=8, deadline=None)

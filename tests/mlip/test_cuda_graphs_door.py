@@ -72,14 +72,15 @@ def test_mpnn_replayed_stages_give_the_eager_numbers(n_devices):
         check_reference(got, mpnn_reference(geometry))
     g = graphed.stages.graphs
     n_ops = len(graphed.stages.for_receivers(state_g.cs.tables.owned_capacity).named())
-    assert g.off is None and g.eager_backwards == 0 and g.replays == 2 * n_ops * n_devices
-    if n_devices == 1:  # one lane: one recording per op; more devices may run on several threads (lanes)
-        assert g.captures == n_ops
+    # XLA's CPU devices are one torch device: they share each op's recording, so with two of them a backward
+    # may find its activations replayed over by the other device's forward, and runs eagerly (same numbers)
+    assert g.off is None and g.captures == n_ops and g.replays == 2 * n_ops * n_devices
+    assert g.eager_backwards == 0 if n_devices == 1 else g.eager_backwards <= 2 * n_ops * n_devices
 
 
 def test_a_grown_capacity_records_again_and_a_new_structure_is_right():
     graphed = DistributedMLIP(cases.wrapper("mpnn"), n_devices=1, cuda_graphs=FakeCapture())
-    small, large = cases.structure("small"), cases.structure("cubic")  # 108 then 500 atoms: larger capacities
+    small, large = cases.structure("small"), cases.structure("half")  # 108 then 225 atoms: larger capacities
     for atoms in (small, large):
         got = evaluate(graphed, atoms, prepare(graphed, atoms))
         check_reference(got, mpnn_reference(atoms))
@@ -112,7 +113,14 @@ def test_a_model_that_cannot_be_recorded_runs_eagerly_after_one_log_line(caplog)
 
 
 def test_auto_is_eager_on_the_cpu_and_true_asks_for_a_gpu():
+    import torch
+
+    from nvalchemi_jaxbridge.kernels.cuda_graphs import default_backend
+
     w = cases.wrapper("mpnn")
+    if default_backend(torch.device("cpu")) is not None:  # JAXBRIDGE_TEST_CUDA_GRAPHS=fake (tests/mlip/conftest.py)
+        assert isinstance(DistributedMLIP(w, n_devices=1).stages.graphs.backend, FakeCapture)
+        return
     assert DistributedMLIP(w, n_devices=1).stages.graphs is None
     with pytest.raises(ValueError, match=r"cuda_graphs=True but the model's stages run on 'cpu'"):
         DistributedMLIP(w, n_devices=1, cuda_graphs=True)
