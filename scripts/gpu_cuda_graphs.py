@@ -1,7 +1,7 @@
 """Stage ops recorded as CUDA graphs on one GPU: the eager numbers, and the time per energy + forces.
 
     PYTHONPATH=.:/tmp/site python3 scripts/gpu_cuda_graphs.py [--sizes 3,7] [--dtypes float32,float64]
-        [--models mace,mpnn] [--rounds 20] [--budget-s 420] [--torchscript on|off] [--cpu]
+        [--models mace,mpnn] [--rounds 20] [--budget-s 360] [--torchscript on|off] [--cpu]
 
 Put the checkout first on the path (the mace-torch wheel ships a top-level `tests` package; nothing of
 `tests` is imported here). Cases run MACE float32 first (108 then 1,372 atoms), then MACE float64, then
@@ -233,7 +233,7 @@ def main() -> int:
     p.add_argument("--dtypes", default="float32,float64")
     p.add_argument("--models", default="mace,mpnn")
     p.add_argument("--rounds", type=int, default=20, help="timed calls per run (after 3 warm-up rounds)")
-    p.add_argument("--budget-s", type=float, default=420.0, help="start no case after this many seconds")
+    p.add_argument("--budget-s", type=float, default=360.0, help="start no case after this many seconds")
     p.add_argument("--torchscript", choices=("on", "off"), default="on", help="e3nn's TorchScript (MACE)")
     p.add_argument("--cpu", action="store_true", help="a dry run on the CPU (FakeCapture instead of CUDA graphs)")
     a = p.parse_args()
