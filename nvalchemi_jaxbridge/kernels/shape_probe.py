@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import _triton_interp
+from . import _triton_interp, cuda_graphs
 from .dlpack import DLPackError, check_x64_torch
 from .op_binding import KernelError, OpBinding
 
@@ -117,7 +117,7 @@ def fake_run(
     # tensor products, once they have run for real); the unoptimised interpreter computes
     # the same shapes.
     fake = contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=True)
-    with fake, torch.jit.optimized_execution(False):
+    with fake, torch.jit.optimized_execution(False), cuda_graphs.eager():  # a probe is never recorded
         leaves, vals = [], list(statics)
         for i, a in zip(array_pos, arrays):
             where = f"argument {binding.params[i].name!r} of op {binding.name}"

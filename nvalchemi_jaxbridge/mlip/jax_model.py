@@ -86,7 +86,13 @@ class DistributedMLIP:
         call_path: how the stage ops are called ("auto", "ffi", "callback").
         tiles: evaluate each device's block in this many tiles, one after another, each with its own deep
             halo (`mlip.tiles`): memory per device is one tile's intermediates, the numbers are the same.
-            Needs `exchange="deep_halo"`; 1 (the default): the block in one go.
+            Needs `exchange="deep_halo"`; 1 (the default): the block in one go; "auto": the fewest tiles that
+            fit `memory_budget`, from the model's memory measured once (`mlip.tile_choice`).
+        cuda_graphs: "auto" (default: on where the mesh's devices are GPUs), True (a GPU is required) or
+            False. On, each stage op is recorded as CUDA graphs once per set of capacities and dtype
+            and replayed from then on; a model that cannot be recorded (it synchronises with the host,
+            or a shape depends on values) runs eagerly, with one logged warning saying why; the numbers
+            are the same either way.
         memory_budget: bytes one device's layout may take (None: half of each device's memory,
             `mlip.memory`); a layout whose estimated or counted rows and edges cost more is refused
             before it is built (`LayoutBudgetError`, with the numbers and the fix).
@@ -110,12 +116,18 @@ class DistributedMLIP:
                     "its own exchanges); leave spec=None."
                 )
             kwargs.pop("spec", None)
+            if kwargs.pop("cuda_graphs", "auto") not in ("auto", False):
+                raise ValueError(
+                    "DistributedMLIP: an ML-IAP model runs its own forward eagerly (CUDA graphs record a wrapper's "
+                    "stage ops); leave cuda_graphs out."
+                )
             return JaxMLIAP(wrapper, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, wrapper: MessagePassingWrapper, *, spec: Any = None, n_devices: int | None = None,
                  mesh: Any = None, exchange: str = "per_layer", skin: float = 0.5, headroom: float = 1.2,
-                 call_path: str = "auto", memory_budget: float | None = None, tiles: int = 1) -> None:
+                 call_path: str = "auto", memory_budget: float | None = None, cuda_graphs: bool | str = "auto",
+                 tiles: int | str = 1) -> None:
         check_model(wrapper, exchange, skin, "DistributedMLIP")
         self.tiles = check_tiles(tiles, exchange, "DistributedMLIP")
         self.model_cost: ModelCost | None = None  # tiles="auto": the model's measured memory cost
@@ -126,7 +138,7 @@ class DistributedMLIP:
                                                   per_layer=exchange == "per_layer")
         self.mesh = auto_mesh(mesh) if mesh is not None else make_mesh(n_devices)
         self.budget = model_budget(memory_budget, exchange, list(self.mesh.devices.flat), "DistributedMLIP")
-        self._call_path, self._token = call_path, new_token()
+        self._call_path, self._cuda_graphs, self._token = call_path, cuda_graphs, new_token()
         #: every capacity growth of this model's layouts (logged once at INFO; a warning past a few)
         self.growth_log = GrowthLog("DistributedMLIP")
         self._fit()
@@ -134,7 +146,8 @@ class DistributedMLIP:
     def _fit(self) -> None:
         """Stages, jitted programs and caches for the wrapper as it is now (again after it changed)."""
         gpu = self.mesh.devices.flat[0].platform == "gpu"
-        self.stages = Stages.of(self.wrapper, call_path=self._call_path, device="cuda" if gpu else "cpu")
+        self.stages = Stages.of(self.wrapper, call_path=self._call_path, device="cuda" if gpu else "cpu",
+                                cuda_graphs=self._cuda_graphs)
         self._value_and_grad = jax.jit(jax.value_and_grad(self.energy_fn, argnums=(1, 2), has_aux=True))
         self._value_and_forces = jax.jit(jax.value_and_grad(self.energy_fn, argnums=1, has_aux=True))
         self._programs: dict[Hashable, Callable[..., Any]] = {}

@@ -21,6 +21,10 @@ once per evaluation, as in the model's own forward.
 
 The graph's receiver count (`BlockGraph.n_receivers`) is fixed per op set, as a
 shape is: `Stages.for_receivers` defines one set per count.
+
+On a GPU each op's body is recorded as CUDA graphs once per set of input shapes and
+dtypes (its capacities) and replayed from then on (`kernels.cuda_graphs`; the
+`cuda_graphs` option of `Stages.of`); a model that cannot be recorded runs eagerly.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..kernels.cuda_graphs import StageGraphs, capture_backend
 from ..kernels.torch_fn import torch_function
 from . import contract
 from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, node_energies_of, with_edge_features
@@ -75,6 +80,15 @@ def _n_edge_features(wrapper: MessagePassingWrapper, device: torch.device) -> in
     return 0 if feats is None else len(as_tuple(feats))
 
 
+def _weights(wrapper: MessagePassingWrapper) -> list[torch.Tensor]:
+    """The parameters and buffers of the wrapper's modules (what a recorded stage reads in place)."""
+    import itertools
+
+    from .torch_model import wrapper_modules
+
+    return [t for m in wrapper_modules(wrapper) for t in itertools.chain(m.parameters(), m.buffers())]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class StageOps:
     """The stage ops of one wrapper for blocks of one receiver count (JAX callables on local arrays).
@@ -109,16 +123,22 @@ class Stages:
     call_path: str
     n_features: int
     n_edge_features: int
+    graphs: StageGraphs | None = None  # recording as CUDA graphs (None: the ops run eagerly)
     _sets: dict[int | None, StageOps] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def of(cls, wrapper: MessagePassingWrapper, *, call_path: str = "auto", device: str = "cpu") -> Stages:
+    def of(cls, wrapper: MessagePassingWrapper, *, call_path: str = "auto", device: str = "cpu",
+           cuda_graphs: Any = "auto") -> Stages:
         """The stage ops of `wrapper` (they close over its weights).
 
         `device`: where the model's weights live ("cpu" or "cuda"), for the shape probes.
+        `cuda_graphs`: "auto" (record the ops as CUDA graphs on a GPU), True, False, or a
+        capture backend (`kernels.cuda_graphs.capture_backend`).
         """
         dev = torch.device(device)
-        return cls(wrapper, call_path, _n_features(wrapper, dev), _n_edge_features(wrapper, dev))
+        backend = capture_backend(cuda_graphs, dev, f"the stages of model {wrapper.name!r}")
+        graphs = None if backend is None else StageGraphs(backend, wrapper.name, lambda: _weights(wrapper))
+        return cls(wrapper, call_path, _n_features(wrapper, dev), _n_edge_features(wrapper, dev), graphs)
 
     def for_receivers(self, n_receivers: int | None) -> StageOps:
         """The ops whose blocks have `n_receivers` receiver rows (None: every row), made once."""
@@ -169,9 +189,11 @@ class Stages:
 
         def op(fn, n_in: int, n_out: int, label: str) -> Any:
             record = contract.ShapeRecord(wrapper, stage(label))
+            run = fn if self.graphs is None else self.graphs.wrap(
+                fn, f"{name}_{label}", checks_weights=label in ("layer_0", "whole"))  # the first op of a program
 
             def checked(*arrays):
-                out = fn(*arrays)
+                out = run(*arrays)
                 record.check(arrays, out)
                 return out
 
