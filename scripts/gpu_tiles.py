@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--native-max", type=int, default=60000, help="run native MACE up to this many atoms")
+    p.add_argument("--cuda-graphs", default="false", choices=["auto", "true", "false"],
+                   help="the bridge's cuda_graphs= (default off: these sizes are device-bound, and each recording "
+                        "keeps a memory pool of a tile's size)")
     a = p.parse_args(argv)
     import jax
     import torch
@@ -55,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from tests.mlip._reference import alloy
 
     gpu = jax.default_backend() == "gpu"
+    graphs = {"auto": "auto", "true": True, "false": False}[a.cuda_graphs]
     dev = torch.device("cuda", 0) if gpu else torch.device("cpu")
     tdt = getattr(torch, a.dtype)
     model = build_mace(tdt).to(dev)
@@ -74,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         n = len(atoms)
         try:
             dm = models.setdefault(tiles, DistributedMLIP(MACEWrapper(model), n_devices=1, exchange="deep_halo",
-                                                          skin=0.0, headroom=1.0, tiles=tiles))
+                                                          skin=0.0, headroom=1.0, tiles=tiles,
+                                                          cuda_graphs=graphs))
             t0 = time.perf_counter()
             state = dm.prepare(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
             t_layout = time.perf_counter() - t0
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 f_br = -np.asarray(state.cs.to_global(g_pos), dtype=np.float64)
                 de = abs(float(energy) - float(out["energy"][0])) / abs(float(out["energy"][0]))
                 df = float(np.abs(f_br - f_nat).max())
-                ok = de < (1e-5 if a.dtype == "float32" else 1e-10) and df < (2e-3 if a.dtype == "float32" else 1e-8)
+                ok = de < (3e-4 if a.dtype == "float32" else 1e-10) and df < (2e-3 if a.dtype == "float32" else 1e-8)
                 bad += not ok
                 native = [f"{np.median(nt):.3f}", f"{n_peak:.2f}", f"{t_call / np.median(nt):.2f}",
                           f"{de:.1e}, {df:.1e}" + ("" if ok else " MISMATCH")]
