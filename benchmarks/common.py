@@ -397,7 +397,7 @@ class Report:
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
         """A part of the question; an exception is recorded as a failure and does not stop the other parts."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         print(f"[{time.strftime('%H:%M:%S')}] {self.name}: {name} ...", flush=True)
         try:
             yield
@@ -405,7 +405,8 @@ class Report:
             first = str(e).splitlines()[0][:300] if str(e) else ""
             traceback.print_exc()
             self.fail(f"{name}: {type(e).__name__}: {first}")
-        print(f"[{time.strftime('%H:%M:%S')}] {self.name}: {name} done in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"[{time.strftime('%H:%M:%S')}] {self.name}: {name} done in {time.perf_counter() - t0:.1f} s "
+              f"({time.process_time() - c0:.1f} CPU-s)", flush=True)
 
     def markdown(self) -> str:
         lines = [f"## {self.title}", ""] + [f"- {k}: {v}" for k, v in {**self.ctx, **self.settings}.items()]

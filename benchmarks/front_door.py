@@ -17,7 +17,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 
 import numpy as np
 
@@ -31,19 +30,15 @@ FRONT_DOOR = "front door (stream-ordered, cached steps)"
 
 
 def run(rep: cm.Report, opt) -> None:
-    start(opt)(rep)
-
-
-def start(opt):
-    """Launch the two ranks (in a thread: a smoke run lets them overlap its other parts); returns the finisher,
-    which waits for them, reads rank 0's measurements and adds the table to a report."""
+    """Launch the two ranks, read rank 0's measurements, add the table."""
     from nvalchemi_jaxbridge.torch.launch import launch
 
     if opt.platform == "gpu":
         import torch
 
         if (n := torch.cuda.device_count()) < 2:
-            return lambda rep: rep.note(f"PyTorch front door: not run, it needs 2 GPUs (this machine has {n}).")
+            rep.note(f"PyTorch front door: not run, it needs 2 GPUs (this machine has {n}).")
+            return
     iters = opt.repeats_or(100, 2)
     cells = [2] if opt.smoke else [8, 16, 24]
     tmp = tempfile.mkdtemp(prefix="jaxbridge-front-door-")
@@ -52,24 +47,14 @@ def start(opt):
                XLA_PYTHON_CLIENT_PREALLOCATE="false", JAXBRIDGE_BENCH_STORE=os.path.join(tmp, "store"))
     argv = [os.path.abspath(__file__), "--platform", opt.platform, "--iters", str(iters), "--json", out,
             "--cells", ",".join(map(str, cells))]
-    code: list[int] = []
-    thread = threading.Thread(target=lambda: code.append(launch(argv, 2, timeout_s=180 if opt.smoke else 300, env=env)),
-                              name="front-door ranks", daemon=True)
-    thread.start()
-
-    def finish(rep: cm.Report) -> None:
-        thread.join()
+    rep.setting("front door", f"2 processes, {FEATURES} x float32 per atom, argon fcc {cells} cells; median of "
+                f"{iters} calls after warm-up, synchronised after each, and chains of {CHAIN} calls with one "
+                "synchronisation; front door and all_to_all_single in turns; the slower rank")
+    try:
+        code = launch(argv, 2, timeout_s=180 if opt.smoke else 300, env=env)
         rows = json.load(open(out)) if os.path.exists(out) else []
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        rep.setting("front door", f"2 processes, {FEATURES} x float32 per atom, argon fcc {cells} cells; median of "
-                    f"{iters} calls after warm-up, synchronised after each, and chains of {CHAIN} calls with one "
-                    "synchronisation; front door and all_to_all_single in turns; the slower rank")
-        _table(rep, rows, code[0] if code else -1)
-
-    return finish
-
-
-def _table(rep: cm.Report, rows: list, code: int) -> None:
     table = rep.table("PyTorch front door: GatherInputs + ScatterOutputs round trip (3 exchanges, 2 processes)",
                       ["atoms", "rows/rank (owned / halo)", "ghost rows sent", "bytes/exchange/dir", "path",
                        "per call, sync each (us)", f"per call, chain of {CHAIN} (us)", "/ all_to_all_single",

@@ -27,8 +27,8 @@ def run(rep: cm.Report, opt) -> None:
 
     dev = torch.device("cuda", 0) if opt.platform == "gpu" else torch.device("cpu")
     dtype = opt.dtypes_or(["float64"])[-1]
-    steps, runs = opt.steps or (4 if opt.smoke else 200), opt.repeats_or(3, 1)
-    check = 2 if opt.smoke else 10
+    steps, runs = opt.steps or (2 if opt.smoke else 200), opt.repeats_or(3, 1)
+    check = 1 if opt.smoke else 10  # a smoke run: one chunk length, one program
     rep.setting("MD driver", f"nve(steps={steps}, dt=1 fs, check_every={check}) of the MPNN (3 layers, cutoff 4 A), "
                 f"{dtype}, DistributedMLIP(n_devices=1, skin=1.0), 300 K; median of {runs} runs after one warm-up run")
     table = rep.table("The MD driver nve on one device: time per step", [

@@ -30,7 +30,7 @@ def run(rep: cm.Report, opt) -> None:
     dev = torch.device("cuda", 0) if gpu else torch.device("cpu")
     sizes = [n for n in opt.sizes_for("mlip", [32] if opt.smoke else [108, 1372]) if n <= 2000]
     dtype = opt.dtypes_or(["float32"])[0]
-    steps, rounds, check = opt.steps or (4 if opt.smoke else 50), opt.repeats_or(3, 1), 2 if opt.smoke else 10
+    steps, rounds, check = opt.steps or (2 if opt.smoke else 50), opt.repeats_or(3, 1), 1 if opt.smoke else 10
     rep.setting("MACE MD step", f"{steps} steps of 1 fs at 300 K, {dtype}, e3nn; nve(check_every={check}) vs a torch "
                 f"Verlet loop; median of {rounds} runs of each in turns after one warm-up run")
     table = rep.table("MACE MD step: nve through the bridge against a native torch Verlet loop", [

@@ -192,30 +192,8 @@ def options(args: argparse.Namespace) -> Options:
     return opt
 
 
-def start_background(names: Sequence[str], opt: Options) -> dict[str, Any]:
-    """A smoke run starts the parts that work in processes of their own (`start(opt)`: the front door's ranks,
-    the main job) first, so that they overlap the rest; part -> its finisher. A timed run starts none."""
-    import importlib
-
-    from benchmarks import common as cm
-
-    if not opt.smoke:
-        return {}
-    opt = dataclasses.replace(opt, platform=cm.setup(opt.device))
-    started = {}
-    for name in names:
-        for part in QUESTIONS[name].parts:
-            mod = importlib.import_module(f"benchmarks.{part}")
-            if hasattr(mod, "start"):
-                started[part] = mod.start(opt)
-    return started
-
-
-def run_question(name: str, opt: Options, started: dict[str, Any] | None = None) -> int:
-    """Run one question in this process: set JAX up, run its parts, write its report; the exit status.
-
-    `started`: finishers of parts already started in the background (`start_background`).
-    """
+def run_question(name: str, opt: Options) -> int:
+    """Run one question in this process: set JAX up, run its parts, write its report; the exit status."""
     import importlib
 
     from benchmarks import common as cm
@@ -233,10 +211,7 @@ def run_question(name: str, opt: Options, started: dict[str, Any] | None = None)
     with _quick_compiles(opt.smoke):
         for part in q.parts:
             with rep.section(part):
-                if part in (started or {}):
-                    started.pop(part)(rep)
-                else:
-                    importlib.import_module(f"benchmarks.{part}").run(rep, opt)
+                importlib.import_module(f"benchmarks.{part}").run(rep, opt)
     code = rep.finish()
     print(f"{name}: {time.perf_counter() - t0:.1f} s, {_cpu_s() - c0:.1f} CPU-s (this process and its children)",
           flush=True)
@@ -341,14 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error(str(e))
     names = args.questions or list(QUESTIONS)
     codes: dict[str, Any] = {}
-    if args.in_process:
-        started = start_background(names, opt)
-        # questions with parts in the background run last, to give those parts the most time
-        for n in sorted(names, key=lambda n: any(p in started for p in QUESTIONS[n].parts)):
-            codes[n] = run_question(n, opt, started)
-    else:
-        for n in names:
-            codes[n] = _run_child(n, opt)
+    for n in names:
+        codes[n] = run_question(n, opt) if args.in_process else _run_child(n, opt)
     if len(names) > 1 or not args.in_process:
         text = summary(opt.out, names, codes, "python -m benchmarks " + " ".join(argv))
         (opt.out / "ALL.md").write_text(text)

@@ -111,38 +111,23 @@ def summarise(kernel: str, samples, code: int, steps: int, warmup: float, window
 
 
 def run(rep, opt) -> None:
-    """The memory question's part: a short soak of each kernel's main job (the long one: `main`)."""
-    start(opt)(rep)
+    """The memory question's part: a short soak of each kernel's main job (the long one: `main`).
 
-
-def start(opt):
-    """Start the soaks (in a thread); returns the finisher. A smoke run leaves the main job out (its process
-    costs more than the rest of the memory question); `SMOKE_COMMAND` is its quickest run."""
-    import threading
-
+    A smoke run leaves it out (its process costs more than the rest of the memory question)."""
     if opt.smoke:
-        return lambda rep: rep.note(f"Main job: not run in a smoke run (a process of its own); its quickest run is "
-                                    f"`{SMOKE_COMMAND}`.")
+        rep.note(f"Main job: not run in a smoke run (a process of its own); its quickest run is `{SMOKE_COMMAND}`.")
+        return
     kernels = opt.kernels_for("memory", ["torch", "jax"], ["torch", "torch-cells", "triton", "jax"])
-    steps, every, extra = opt.steps or 500, 2.0, []
-    results: list = []
-    thread = threading.Thread(target=lambda: results.extend((k, *soak(k, steps, every, extra)) for k in kernels),
-                              name="main-job soak", daemon=True)
-    thread.start()
-
-    def finish(rep) -> None:
-        thread.join()
-        rep.setting("main job", f"`run --kernel K --steps {steps} --quiet{' ' + ' '.join(extra) if extra else ''}` as a "
-                    f"child, RSS every {every:g} s; the long soak: `python -m benchmarks soak --kernels torch jax "
-                    "--steps 2500 --every 10`")
-        table = rep.table("Host RSS of the main job (`run`), windows after warm-up: the highest and lowest sample of each",
-                          COLUMNS)
-        for kernel, samples, code, tail in results:
-            table.add(*summarise(kernel, samples, code, steps, 0.1, 0)[0])
-            if code:
-                rep.fail(f"main job --kernel {kernel} exited {code}: {tail.splitlines()[-1] if tail else ''}")
-
-    return finish
+    steps, every = opt.steps or 500, 2.0
+    rep.setting("main job", f"`run --kernel K --steps {steps} --quiet` as a child, RSS every {every:g} s; the long "
+                "soak: `python -m benchmarks soak --kernels torch jax --steps 2500 --every 10`")
+    table = rep.table("Host RSS of the main job (`run`), windows after warm-up: the highest and lowest sample of each",
+                      COLUMNS)
+    for kernel in kernels:
+        samples, code, tail = soak(kernel, steps, every, [])
+        table.add(*summarise(kernel, samples, code, steps, 0.1, 0)[0])
+        if code:
+            rep.fail(f"main job --kernel {kernel} exited {code}: {tail.splitlines()[-1] if tail else ''}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -60,6 +60,7 @@ names = st.sampled_from(list(runner.QUESTIONS))
 lists = st.lists(st.integers(1, 10**6), min_size=1, max_size=3).map(lambda xs: ",".join(map(str, xs)))
 
 
+@hypothesis.settings(max_examples=15)
 @hypothesis.given(smoke=st.booleans(), device=st.sampled_from(["auto", "cpu", "gpu"]),
                   sizes=st.lists(st.tuples(st.one_of(st.just(""), names), lists), max_size=3),
                   repeats=st.none() | st.integers(1, 99), dtypes=st.none() | st.sampled_from([("float32",),
