@@ -128,7 +128,12 @@ def run(rep, opt) -> None:
             torch.save(build_model("float64", "e3nn", "cpu", True), model_file)  # the tests' MACE, built once
             runs = [phases(devices, model_file, time.perf_counter()), {}]
         else:
+            import torch
+
+            from nvalchemi_jaxbridge.mlip.mace import random_mace
+
             rep.setting("first call", f"two fresh processes sharing a fresh compilation cache folder, {devices} device(s)")
+            torch.save(random_mace([29, 79], max_ell=2), model_file)  # made here, so both processes only load it
             cache = str(pathlib.Path(tmp) / "xla")
             runs = [_child(devices, model_file, cache, opt.platform) for _ in range(2)]
     for k in ORDER:

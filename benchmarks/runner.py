@@ -49,8 +49,8 @@ QUESTIONS: dict[str, Question] = {
                          "bytes per message, K/M suffixes (default 64K..256M)", "", 45.0),
     "md": Question("MD step: velocity Verlet through the bridge against the same step in torch; the MD driver",
                    ("md_step", "md_driver"),
-                   "atoms of the LJ/DSF system (default 10976,42592,171500)",
-                   "force ops: lj-cells, lj-triton, lj-torch, dsf-torch, dsf-triton (default lj-cells,lj-triton)", 90.0),
+                   "atoms of the LJ/DSF system (default 10976,42592,171500,2048000)",
+                   "force ops: lj-cells, lj-triton, lj-torch, dsf-torch, dsf-triton (default lj-cells,lj-triton)", 120.0),
     "mlip": Question("MLIP energy + forces: MACE through the bridge against its own forward",
                      ("mlip", "mlip_md"), "atoms of fcc Cu/Au, 4 n^3 (default 108,1372,10976)",
                      "MACE kernels: e3nn, cueq (default e3nn, and cueq where cuequivariance_torch imports)", 150.0),
@@ -58,8 +58,10 @@ QUESTIONS: dict[str, Question] = {
                        ("memory", "soak"), "(not used)", "main job's force kernels: torch, jax, ... (default torch,jax)",
                        90.0),
     "scaling": Question("Scaling: the MD step over 1, 2, 4, 8 devices; halo exchanges on device grids",
-                        ("scaling",), "atoms: strong-scaling system, then weak-scaling atoms per device",
-                        "force kernel: triton, torch, torch-cells, jax (default triton on GPU, jax on CPU)", 60.0),
+                        ("scaling",), "atoms: strong-scaling system, weak-scaling atoms per device, halo system "
+                        "(default 2048000,1000000,1000000 on GPUs)",
+                        "force kernel: lj-cells, lj-triton, lj-torch, lj-jax, dsf-... (default lj-cells on GPU, lj-jax "
+                        "on CPU)", 90.0),
     "first-call": Question("First call: where a cold single point spends its time", ("first_call",),
                            "(not used)", "", 60.0),
 }

@@ -26,7 +26,7 @@ from benchmarks import common as cm
 KERNELS = ("lj-triton", "lj-torch", "lj-cells", "lj-jax", "dsf-triton", "dsf-torch", "dsf-jax")
 SYSTEM = {"lj": "argon", "dsf": "rocksalt"}
 ATOMS_PER_CELL = {"argon": 4, "rocksalt": 8}
-SIZES = {"gpu": [1_000_000, 1_000_000, 1_000_000], "cpu": [2048, 256, 6912], "smoke": [108, 108, 256]}
+SIZES = {"gpu": [2_048_000, 1_000_000, 1_000_000], "cpu": [2048, 256, 6912], "smoke": [108, 108, 256]}
 PARITY_RTOL = 1e-9  # float64 first-step forces between device counts, relative to max |F|
 SMOKE_CUTOFF = 4.0
 LOOP = 20  # exchanges per program in the looped halo measurement
@@ -350,7 +350,10 @@ def run(rep: cm.Report, opt) -> None:
     import jax
 
     counts = parse_devices(opt.devices or ((1, 2) if opt.smoke else None), len(jax.devices()))
-    kernel = opt.kernels_for("scaling", ["lj-triton" if opt.platform == "gpu" else "lj-jax"], KERNELS)[0]
+    if len(counts) < 2:
+        rep.note(f"Scaling: not run, it needs 2 or more devices (JAX sees {len(jax.devices())}).")
+        return
+    kernel = opt.kernels_for("scaling", ["lj-cells" if opt.platform == "gpu" else "lj-jax"], KERNELS)[0]
     strong, weak, halo = (opt.sizes_for("scaling", SIZES["smoke" if opt.smoke else opt.platform]) + [None] * 3)[:3]
     dtype = opt.dtypes_or(["float32" if opt.platform == "gpu" else "float64"])[0]
     cutoff, iters = SMOKE_CUTOFF if opt.smoke else None, opt.repeats_or(8, 2)

@@ -118,7 +118,7 @@ def run(rep, opt) -> None:
         rep.note(f"Main job: not run in a smoke run (a process of its own); its quickest run is `{SMOKE_COMMAND}`.")
         return
     kernels = opt.kernels_for("memory", ["torch", "jax"], ["torch", "torch-cells", "triton", "jax"])
-    steps, every = opt.steps or 500, 2.0
+    steps, every = opt.steps or 300, 2.0
     rep.setting("main job", f"`run --kernel K --steps {steps} --quiet` as a child, RSS every {every:g} s; the long "
                 "soak: `python -m benchmarks soak --kernels torch jax --steps 2500 --every 10`")
     table = rep.table("Host RSS of the main job (`run`), windows after warm-up: the highest and lowest sample of each",
