@@ -26,13 +26,15 @@ def run(rep: cm.Report, opt) -> None:
                  f"{len(jax.devices())}).")
         return
     reps = 3 if opt.smoke else 5
+    dev = "cuda" if opt.platform == "gpu" else "cpu"  # the models live where JAX runs
     atoms = alloy((reps,) * 3, triclinic=True)
-    models = {"mpnn": MPNNWrapper(MPNN([29, 79], cutoff=4.0))}
+    # a smoke run: two layers are enough for a refresh between layers, against a halo of two cutoffs
+    models = {"mpnn": MPNNWrapper(MPNN([29, 79], cutoff=4.0, n_layers=2 if opt.smoke else 3).to(dev))}
     try:
         from nvalchemi_jaxbridge.mlip.mace import MACEWrapper, random_mace
 
         if not opt.smoke:  # the smoke run checks the MPNN alone: MACE's two programs cost more than the rest
-            models["mace"] = MACEWrapper(random_mace([29, 79]))
+            models["mace"] = MACEWrapper(random_mace([29, 79]).to(dev))
     except ImportError:
         rep.note("Per-layer exchange vs deep halo: MACE not run (mace-torch is not importable here).")
     repeats = opt.repeats_or(3, 1)

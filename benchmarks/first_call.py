@@ -49,6 +49,8 @@ def phases(devices: int, model_file: pathlib.Path, t_start: float) -> dict[str, 
         torch.save(random_mace([29, 79], max_ell=2), model_file)
     t = time.perf_counter()
     mace = torch.load(model_file, weights_only=False)
+    if jax.default_backend() == "gpu":  # the model follows the devices JAX runs on
+        mace = mace.to("cuda")
     out["model file load"] = time.perf_counter() - t
     t = time.perf_counter()
     load()

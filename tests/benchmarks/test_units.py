@@ -208,7 +208,7 @@ def _fake_scaling(monkeypatch, tmp_path, dtype: str, timed_error: float, parity_
         f = np.random.default_rng(case.n).normal(size=(case.n, 3))
         return f * (1 + err) if n == 2 else f
 
-    def fake_run(case, n, kernel, dt, cutoff, iters):
+    def fake_run(case, n, kernel, dt, cutoff, iters, twin=True):
         return scaling.Result(0.01 / n, 0.001, forces(case, n, timed_error), scaling.block_grid(n), 10, 20, 0, "-", "-")
 
     def fake_first(case, n, kernel, dt, cutoff):
