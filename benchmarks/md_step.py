@@ -256,7 +256,7 @@ def run(rep: cm.Report, opt) -> None:
     speedups: dict[tuple[str, int], float] = {}
     for kernel in kernels:
         last = None  # (atoms, native step s) of the size before
-        for atoms in opt.sizes_for("md", [SMOKE_ATOMS[kernel]] if opt.smoke else [10976, 42592, 171500, 2048000]):
+        for atoms in opt.sizes_for("md", [SMOKE_ATOMS[kernel]] if opt.smoke else [10976, 42592, 171500]):
             if rep.time_left() < 0:
                 rep.note(f"MD step: {kernel} at {atoms} atoms and later not run (budget spent).")
                 break

@@ -86,7 +86,7 @@ def _loop_child(platform: str, path: str, forces: str, steps: int, warmup: int, 
 
 
 def run(rep: cm.Report, opt) -> None:
-    steps = opt.steps or (60 if opt.smoke else 2000)
+    steps = opt.steps or (60 if opt.smoke else 1000)
     warmup, sample = max(min(200, steps // 2), steps // 10), max(1, min(50, steps // 4))
     rep.setting("call loop", f"fcc argon, 108 atoms, LJ dense block, float64, one device; {steps} steps, fit from "
                 f"step {warmup}, RSS every {sample} steps" + ("; smoke: in this process" if opt.smoke else
@@ -97,6 +97,9 @@ def run(rep: cm.Report, opt) -> None:
     worst = 0.0
     for path in ("ffi", "callback"):
         for forces in ("op forces", "jax.grad"):
+            if rep.time_left() < 0:
+                rep.note(f"Call loop: {path} / {forces} not run (budget spent).")
+                continue
             with rep.section(f"call loop {path} {forces}"):
                 r = (call_loop(path, forces, steps=steps, warmup=warmup, sample=sample) if opt.smoke
                      else _loop_child(opt.platform, path, forces, steps, warmup, sample))

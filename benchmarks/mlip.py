@@ -122,7 +122,7 @@ def run(rep: cm.Report, opt) -> None:
         rep.note("MACE with cuequivariance kernels: not run (cuequivariance_torch does not import; carry its wheels "
                  "as benchmarks/RESULTS.md says).")
     sizes = opt.sizes_for("mlip", [32] if opt.smoke else [108, 1372, 10976])
-    dtypes, rounds = opt.dtypes_or(["float32", "float64"]), opt.repeats_or(15, 2)
+    dtypes, rounds = opt.dtypes_or(["float32", "float64"]), opt.repeats_or(10, 2)
     cfg = model_config(opt.smoke)
     rep.setting("MACE", f"random ScaleShiftMACE, hidden \"{cfg.get('hidden_irreps', '8x0e + 8x1o')}\", max_ell {cfg['max_ell']}, "
                 f"{'eager e3nn (smoke)' if opt.smoke else 'e3nn with TorchScript'}; bridge skin 0, headroom 1; median of "

@@ -117,13 +117,16 @@ def run(rep, opt) -> None:
     if opt.smoke:
         rep.note(f"Main job: not run in a smoke run (a process of its own); its quickest run is `{SMOKE_COMMAND}`.")
         return
-    kernels = opt.kernels_for("memory", ["torch", "jax"], ["torch", "torch-cells", "triton", "jax"])
+    kernels = opt.kernels_for("memory", ["torch"], ["torch", "torch-cells", "triton", "jax"])
     steps, every = opt.steps or 300, 2.0
     rep.setting("main job", f"`run --kernel K --steps {steps} --quiet` as a child, RSS every {every:g} s; the long "
                 "soak: `python -m benchmarks soak --kernels torch jax --steps 2500 --every 10`")
     table = rep.table("Host RSS of the main job (`run`), windows after warm-up: the highest and lowest sample of each",
                       COLUMNS)
     for kernel in kernels:
+        if rep.time_left() < 0:
+            rep.note(f"Main job: --kernel {kernel} not run (budget spent).")
+            continue
         samples, code, tail = soak(kernel, steps, every, [])
         table.add(*summarise(kernel, samples, code, steps, 0.1, 0)[0])
         if code:
