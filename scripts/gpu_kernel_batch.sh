@@ -5,8 +5,8 @@
 #
 # wrap-torch2jax's extension is compiled in the background (needs .whl/wrap_torch2jax-*.whl,
 # see benchmarks/RESULTS.md) while both call paths are checked for correctness on the GPU
-# (scripts/gpu_kernels_check.py, then the GPU-only tests of both paths); then
-# benchmarks/kernel_overhead.py measures all paths in one run. Logs and tables go to OUTDIR.
+# (scripts/gpu_kernels_check.py, then the GPU-only tests of both paths); then the suite's kernel question
+# (python -m benchmarks run kernel) measures all paths in one run. Logs and tables go to OUTDIR.
 set -u
 OUT=${1:?usage: scripts/gpu_kernel_batch.sh OUTDIR}
 mkdir -p "$OUT"
@@ -14,7 +14,7 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 log() { echo "[$(date +%H:%M:%S)] $*"; }
 log "wrap-torch2jax: building its extension in the background"
-JAX_PLATFORMS=cpu MAX_JOBS=16 timeout 420 "$PY" benchmarks/kernel_overhead.py --prebuild-torch2jax --platform cpu \
+JAX_PLATFORMS=cpu MAX_JOBS=16 timeout 420 "$PY" -c "import benchmarks.kernel_call as k; raise SystemExit(0 if k.build_torch2jax() else 1)" \
   > "$OUT/torch2jax_build.log" 2>&1 &
 PRE=$!
 log "gpu_kernels_check"
@@ -27,7 +27,7 @@ log "pytest exit $?"; tail -3 "$OUT/pytest_gpu.log"
 for _ in $(seq 300); do kill -0 "$PRE" 2>/dev/null || break; sleep 1; done
 if kill -0 "$PRE" 2>/dev/null; then log "wrap-torch2jax: build still running, stopped"; kill "$PRE"; else wait "$PRE"; log "wrap-torch2jax build exit $?"; fi
 tail -2 "$OUT/torch2jax_build.log"
-log "kernel_overhead"
-timeout 200 "$PY" benchmarks/kernel_overhead.py --out "$OUT" --torch2jax cached > "$OUT/kernel_overhead.log" 2>&1
-log "kernel_overhead exit $?"
-grep -E "^Target" "$OUT/kernel_overhead.md"
+log "kernel question"
+"$PY" -m benchmarks run kernel --out "$OUT" > "$OUT/suite.log" 2>&1
+log "kernel question exit $?"
+grep -E "^Target" "$OUT/kernel.md"

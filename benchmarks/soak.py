@@ -1,0 +1,165 @@
+"""Memory soak of the main job: `nvalchemi-jaxbridge run` launched as a child, its RSS sampled.
+
+    python -m benchmarks soak [--kernels torch jax] [--steps 2500] [--every 10] [--warmup 0.1] [--window 0] [-- RUN OPTIONS]
+    python benchmarks/run_soak.py ...            # the same command line
+
+Each kernel's run is one child process (`python -m nvalchemi_jaxbridge.app.cli run --kernel K --steps N
+--quiet`, plus `--thermo` into a temporary file so the sampler knows the step: the job writes a row every 10
+steps). The sampler reads the child's VmRSS from /proc/PID/status every `--every` seconds. Warm-up: the
+samples before `--warmup` of the steps (default 10 %, at least step 100 when the run is long enough) are left
+out; the rest fall in windows of `--window` steps (default a tenth of the run). The job gives malloc's free
+pages back at each host check, after which the RSS rises again within a step or two as the op's temporaries
+are faulted in, so a window's lowest sample is just after a check and its highest the working set: the table
+gives, for the windows' highest and lowest RSS, the first and last window's, their spread and their
+least-squares slope in MB per 1000 steps; then every window. Linux only (/proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+SMOKE_COMMAND = "python -m benchmarks soak --kernels jax --steps 20 --every 0.5 -- --cells 2"
+COLUMNS = ["kernel", "exit", "wall s", "windows", "highest: first / last window (MB)", "spread (MB)",
+           "slope (MB/1000 steps)", "lowest: first / last window (MB)", "spread (MB)", "slope (MB/1000 steps)"]
+
+
+def rss_mb(pid: int) -> float | None:
+    """VmRSS of process `pid` in MB, or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
+
+
+def last_step(thermo: str) -> int:
+    """The last step the job wrote to its thermo file (0 before the first row)."""
+    try:
+        with open(thermo) as f:
+            rows = f.read().strip().splitlines()
+    except OSError:
+        return 0
+    last = rows[-1].split(",")[0] if len(rows) > 1 else "0"
+    return int(last) if last.isdigit() else 0
+
+
+def soak(kernel: str, steps: int, every: float, extra: Sequence[str]) -> tuple[list[tuple[float, int, float]], int, str]:
+    """Run the job for `kernel`; its samples (seconds, step, RSS MB), exit code and output tail."""
+    with tempfile.TemporaryDirectory() as tmp:
+        thermo = os.path.join(tmp, "thermo.csv")
+        cmd = [sys.executable, "-m", "nvalchemi_jaxbridge.app.cli", "run", "--kernel", kernel, "--steps", str(steps),
+               "--quiet", "--thermo", thermo, "--thermo-every", "10", *extra]
+        with open(os.path.join(tmp, "log"), "w+") as log:
+            t0 = time.perf_counter()
+            child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            samples = []
+            while child.poll() is None:
+                rss = rss_mb(child.pid)
+                if rss is not None:
+                    samples.append((time.perf_counter() - t0, last_step(thermo), rss))
+                time.sleep(every)
+            log.seek(0)
+            tail = "\n".join(log.read().strip().splitlines()[-25:])
+    return samples, child.returncode, tail
+
+
+def windows(samples: Sequence[tuple[float, int, float]], steps: int, warmup: float, width: int
+            ) -> list[tuple[int, int, float, float]]:
+    """(first step, last step, min RSS, max RSS) of the samples in each `width`-step window past warm-up."""
+    start = max(min(100, steps // 2), int(warmup * steps))
+    out = []
+    for lo in range(start, steps, width):
+        last = lo + width >= steps  # the last window holds the samples at the last step too
+        rss = [r for _, s, r in samples if lo <= s < lo + width or (last and s == steps)]
+        if rss:
+            out.append((lo, min(lo + width, steps), min(rss), max(rss)))
+    return out
+
+
+def summary(win: Sequence[tuple[int, int, float, float]]) -> dict[str, float]:
+    """Spread and slope (MB per 1000 steps) of the windows' highest and lowest RSS."""
+    if len(win) < 2:
+        return {"n": len(win)}
+    mid = np.array([(a + b) / 2 for a, b, _, _ in win])
+    lo, hi = np.array([w[2] for w in win]), np.array([w[3] for w in win])
+    return {"n": len(win), "max_first": hi[0], "max_last": hi[-1], "max_spread": np.ptp(hi),
+            "max_slope": 1000.0 * float(np.polyfit(mid, hi, 1)[0]), "min_first": lo[0], "min_last": lo[-1],
+            "min_spread": np.ptp(lo), "min_slope": 1000.0 * float(np.polyfit(mid, lo, 1)[0])}
+
+
+def summarise(kernel: str, samples, code: int, steps: int, warmup: float, window: int
+              ) -> tuple[list[str], list[tuple[int, int, float, float]]]:
+    """The table row (`COLUMNS`) of one kernel's run, and its windows."""
+    win = windows(samples, steps, warmup, max(10, window or steps // 10))
+    s, wall = summary(win), (f"{samples[-1][0]:.0f}" if samples else "-")
+    if s["n"] < 2:
+        return [kernel, str(code), wall, str(s["n"])] + ["-"] * 6, win
+    return [kernel, str(code), wall, str(s["n"]), f"{s['max_first']:.0f} / {s['max_last']:.0f}", f"{s['max_spread']:.0f}",
+            f"{s['max_slope']:+.1f}", f"{s['min_first']:.0f} / {s['min_last']:.0f}", f"{s['min_spread']:.0f}",
+            f"{s['min_slope']:+.1f}"], win
+
+
+def run(rep, opt) -> None:
+    """The memory question's part: a short soak of each kernel's main job (the long one: `main`).
+
+    A smoke run leaves it out (its process costs more than the rest of the memory question)."""
+    if opt.smoke:
+        rep.note(f"Main job: not run in a smoke run (a process of its own); its quickest run is `{SMOKE_COMMAND}`.")
+        return
+    kernels = opt.kernels_for("memory", ["torch"], ["torch", "torch-cells", "triton", "jax"])
+    steps, every = opt.steps or 300, 2.0
+    rep.setting("main job", f"`run --kernel K --steps {steps} --quiet` as a child, RSS every {every:g} s; the long "
+                "soak: `python -m benchmarks soak --kernels torch jax --steps 2500 --every 10`")
+    table = rep.table("Host RSS of the main job (`run`), windows after warm-up: the highest and lowest sample of each",
+                      COLUMNS)
+    for kernel in kernels:
+        if rep.time_left() < 0:
+            rep.note(f"Main job: --kernel {kernel} not run (budget spent).")
+            continue
+        samples, code, tail = soak(kernel, steps, every, [])
+        table.add(*summarise(kernel, samples, code, steps, 0.1, 0)[0])
+        if code:
+            rep.fail(f"main job --kernel {kernel} exited {code}: {tail.splitlines()[-1] if tail else ''}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks soak", description=__doc__.splitlines()[0])
+    p.add_argument("--kernels", nargs="+", default=["torch", "jax"])
+    p.add_argument("--steps", type=int, default=2500)
+    p.add_argument("--every", type=float, default=10.0, help="seconds between RSS samples (default 10)")
+    p.add_argument("--warmup", type=float, default=0.1, help="fraction of the steps left out (default 0.1)")
+    p.add_argument("--window", type=int, default=0, help="steps per window (default a tenth of the steps)")
+    p.add_argument("extra", nargs="*", help="more `run` options, after --")
+    args = p.parse_args(argv)
+    import jax
+    import torch
+
+    print(f"python {sys.version.split()[0]}, jax {jax.__version__}, torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    rows, traces = [], {}
+    width = max(10, args.window or args.steps // 10)
+    for kernel in args.kernels:
+        samples, code, tail = soak(kernel, args.steps, args.every, args.extra)
+        if code != 0:
+            print(f"run --kernel {kernel} exited {code}:\n{tail}")
+        row, traces[kernel] = summarise(kernel, samples, code, args.steps, args.warmup, args.window)
+        rows.append(row)
+    print(f"\nRSS (MB) after warm-up, in windows of {width} steps: the highest and the lowest sample of each window\n")
+    print("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    for kernel, win in traces.items():
+        print(f"\nrun --kernel {kernel}: steps, lowest - highest RSS MB")
+        print("  " + "; ".join(f"{a}-{b}: {lo:.0f}-{hi:.0f}" for a, b, lo, hi in win))
+    return 0 if all(row[1] == "0" for row in rows) else 1
