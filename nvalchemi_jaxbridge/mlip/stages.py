@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..kernels.cuda_graphs import StageGraphs, capture_backend
+from ..kernels.cuda_graphs import AUTO_MAX_ROWS, StageGraphs, capture_backend
 from ..kernels.torch_fn import torch_function
 from . import contract
 from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, node_energies_of, with_edge_features
@@ -137,7 +137,9 @@ class Stages:
         """
         dev = torch.device(device)
         backend = capture_backend(cuda_graphs, dev, f"the stages of model {wrapper.name!r}")
-        graphs = None if backend is None else StageGraphs(backend, wrapper.name, lambda: _weights(wrapper))
+        auto = isinstance(cuda_graphs, str) and cuda_graphs == "auto"
+        graphs = None if backend is None else StageGraphs(backend, wrapper.name, lambda: _weights(wrapper),
+                                                          max_rows=AUTO_MAX_ROWS if auto else None)
         return cls(wrapper, call_path, _n_features(wrapper, dev), _n_edge_features(wrapper, dev), graphs)
 
     def for_receivers(self, n_receivers: int | None) -> StageOps:
