@@ -1,8 +1,8 @@
 """Edges of each device's block: a neighbour list with a static capacity, grown, never cut.
 
-The list is built on the host (scipy's `cKDTree`, open boundaries) from the plan's
-halo positions, with radius `cutoff + skin`, so it stays a superset of the pairs
-within `cutoff` until the plan needs a rebuild (an atom moved more than `skin / 2`).
+The list is built on the host (scipy's `cKDTree`, open boundaries; one pair search and one sort
+per block) from the plan's halo positions, with radius `cutoff + skin`, so it stays a superset of
+the pairs within `cutoff` until the plan needs a rebuild (an atom moved more than `skin / 2`).
 Periodic images of other devices' atoms are ghost rows. Images of a device's own
 atoms are ghost rows too in a plan built with `self_images=True`; in one built with
 `self_images=False` (the model level's) they are no rows at all: the search places
@@ -102,8 +102,9 @@ class EdgePlan:
             receiver_reach: with receivers "all", only the rows within this distance (Å) of one of the
                 device's owned rows receive (None: every real row). The deep halo of an L-layer model
                 needs `(L - 1) * cutoff + skin`: a row farther out feeds no owned atom's energy.
-            budget: a `MemoryBudget`: each device's edges are counted before they are listed, and a
-                device whose rows and edges would cost more raises `LayoutBudgetError`.
+            budget: a `MemoryBudget`: each device's edges are counted as they are found (a compact host
+                list, 8 bytes per edge), and a device whose rows and edges would cost more raises
+                `LayoutBudgetError` before the tables are built.
 
         Raises:
             ValueError: a bad `receivers`, a cutoff <= 0, or a plan whose halo is
@@ -152,7 +153,7 @@ class EdgePlan:
         shift[...] = -(np.zeros((1, 3)) @ plan.basis)  # the zero image's shift, signed zeros as the product has them
         for dev, (send, recv, moved, image) in enumerate(per_device):
             n = len(recv)
-            spare[dev] = pad_row[dev] + np.arange(cap, dtype=np.int32) % np.int32(hr - pad_row[dev])
+            spare[dev] = np.resize(np.arange(pad_row[dev], hr, dtype=np.int32), cap)  # the padding rows, cycled
             edges[dev, :n, 0], edges[dev, :n, 1] = send, recv
             edges[dev, n:, 0] = edges[dev, n:, 1] = spare[dev, n:]
             shift[dev, moved] = -(image @ plan.basis)
@@ -206,14 +207,20 @@ def _block_edges(block: np.ndarray, n_real: int, own_images: np.ndarray, basis: 
     others[recv] = False
     others = np.flatnonzero(others)
     receivers = search_tree(points[recv])
-    both = receivers.query_pairs(reach, output_type="ndarray")
-    a, b = recv[both[:, 0]], recv[both[:, 1]]
-    del both
+    pairs = receivers.query_pairs(reach, output_type="ndarray")
     near = search_tree(points[others]).sparse_distance_matrix(receivers, reach, output_type="ndarray")
+    row_of = None if recv[-1] == len(recv) - 1 else recv  # receiver ids are rows (not when recv skips some)
     bits = n_pts.bit_length()  # the key: receiver in the high bits, the sender's rank in the low ones
-    key = np.concatenate([(b << bits) | rank[a], (a << bits) | rank[b],
-                          (recv[near["j"]] << bits) | rank[others[near["i"]]]])
-    del a, b, near
+    key = np.empty(2 * len(pairs) + len(near), np.int64)
+    parts = [(pairs[:, 1], pairs[:, 0], row_of, row_of), (pairs[:, 0], pairs[:, 1], row_of, row_of),
+             (near["j"], near["i"], row_of, others)]
+    start = 0
+    for into, send, into_rows, send_points in parts:
+        out = key[start : start + len(into)]
+        np.left_shift(into if into_rows is None else into_rows[into], bits, out=out)
+        out |= rank[send if send_points is None else send_points[send]]
+        start += len(into)
+    del pairs, near, parts
     key.sort()
     receiver = (key >> bits).astype(np.int32)
     sender = by_key[key & ((1 << bits) - 1)]
