@@ -102,8 +102,8 @@ class EdgePlan:
             receiver_reach: with receivers "all", only the rows within this distance (Å) of one of the
                 device's owned rows receive (None: every real row). The deep halo of an L-layer model
                 needs `(L - 1) * cutoff + skin`: a row farther out feeds no owned atom's energy.
-            budget: a `MemoryBudget`: each device's edges are counted as they are found (a compact host
-                list, 8 bytes per edge), and a device whose rows and edges would cost more raises
+            budget: a `MemoryBudget`: each device's edges are counted as they are found (a host list of
+                some tens of bytes per edge), and a device whose rows and edges would cost more raises
                 `LayoutBudgetError` before the tables are built.
 
         Raises:
@@ -148,9 +148,7 @@ class EdgePlan:
         pad_row = n_pad.astype(np.int32)
         spare = np.empty((d, cap), dtype=np.int32)
         edges = np.empty((d, cap, 2), dtype=np.int32)
-        # every edge's shift is `-image @ basis`; most images are zero, so only the others are multiplied
-        shift = np.empty((d, cap, 3))
-        shift[...] = -(np.zeros((1, 3)) @ plan.basis)  # the zero image's shift, signed zeros as the product has them
+        shift = np.zeros((d, cap, 3))  # `-image @ basis`: most images are zero, so only the others are multiplied
         for dev, (send, recv, moved, image) in enumerate(per_device):
             n = len(recv)
             spare[dev] = np.resize(np.arange(pad_row[dev], hr, dtype=np.int32), cap)  # the padding rows, cycled
