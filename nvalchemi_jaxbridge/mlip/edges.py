@@ -31,6 +31,7 @@ from ..layout.budget import MemoryBudget
 from ..layout.partition import search_tree
 
 RECEIVERS = ("owned", "all")
+_CHUNK = 1 << 20  # edges keyed and decoded at a time
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -207,21 +208,28 @@ def _block_edges(block: np.ndarray, n_real: int, own_images: np.ndarray, basis: 
     receivers = search_tree(points[recv])
     pairs = receivers.query_pairs(reach, output_type="ndarray")
     near = search_tree(points[others]).sparse_distance_matrix(receivers, reach, output_type="ndarray")
-    row_of = None if recv[-1] == len(recv) - 1 else recv  # receiver ids are rows (not when recv skips some)
-    bits = n_pts.bit_length()  # the key: receiver in the high bits, the sender's rank in the low ones
+    bits = n_pts.bit_length()  # the key: receiver (a row) in the high bits, the sender's rank in the low ones
     key = np.empty(2 * len(pairs) + len(near), np.int64)
-    parts = [(pairs[:, 1], pairs[:, 0], row_of, row_of), (pairs[:, 0], pairs[:, 1], row_of, row_of),
-             (near["j"], near["i"], row_of, others)]
+    high, low = recv.astype(np.int64) << bits, rank[recv]
+    parts = [(pairs[:, 1], high, pairs[:, 0], low), (pairs[:, 0], high, pairs[:, 1], low),
+             (near["j"], high, near["i"], rank[others])]
     start = 0
-    for into, send, into_rows, send_points in parts:
-        out = key[start : start + len(into)]
-        np.left_shift(into if into_rows is None else into_rows[into], bits, out=out)
-        out |= rank[send if send_points is None else send_points[send]]
+    for into, into_key, send, send_key in parts:
+        for lo in range(0, len(into), _CHUNK):  # a chunk at a time: the temporaries stay in cache
+            hi = min(lo + _CHUNK, len(into))
+            np.bitwise_or(into_key[into[lo:hi]], send_key[send[lo:hi]], out=key[start + lo : start + hi])
         start += len(into)
     del pairs, near, parts
     key.sort()
-    receiver = (key >> bits).astype(np.int32)
-    sender = by_key[key & ((1 << bits) - 1)]
-    del key
-    moved = np.flatnonzero(sender >= n_real)
-    return rows[sender], receiver, moved, images[sender[moved] - n_real]
+    send_rows, receiver = np.empty(len(key), np.int32), np.empty(len(key), np.int32)
+    row_by_rank, image_by_rank = rows[by_key], by_key >= n_real
+    moved, moved_images = [np.zeros(0, np.int64)], [np.zeros((0, 3), np.int64)]
+    for lo in range(0, len(key), _CHUNK):
+        k = key[lo : lo + _CHUNK]
+        sender = k & ((1 << bits) - 1)  # the sender's rank
+        send_rows[lo : lo + len(k)] = row_by_rank[sender]
+        np.right_shift(k, bits, out=receiver[lo : lo + len(k)], casting="unsafe")  # a row: fits int32
+        image = np.flatnonzero(image_by_rank[sender])
+        moved.append(lo + image)
+        moved_images.append(images[by_key[sender[image]] - n_real])
+    return send_rows, receiver, np.concatenate(moved), np.concatenate(moved_images)
