@@ -14,7 +14,8 @@ Three checks, each before the allocation it guards:
    parallelepiped: `V + S r + pi r^2 (|a| + |b| + |c|) + 4/3 pi r^3`, clipped to the atoms' extent on
    open axes), its edges its receivers times `rho * 4/3 pi r_edge^3`;
 2. the partition counts each rank's rows exactly while it lists them (`partition.find_ghosts`);
-3. the edge list counts each device's edges exactly before it lists them (`mlip.edges.EdgePlan.build`).
+3. the edge list counts each device's edges exactly as it finds them, before it builds their tables
+   (`mlip.edges.EdgePlan.build`; the list it counts takes some tens of bytes per edge on the host).
 
 The cost of a layout is `rows * bytes_per_row + edges * bytes_per_edge` per device: a rough
 figure for a small model's forward and backward (the defaults), not an accounting.

@@ -220,8 +220,6 @@ def find_ghosts(
     at a time; `n_ranks` times a rank's owned + ghost rows above `MAX_PLAN_ROWS` raises the same way, and
     above `budget.max_rows` raises `LayoutBudgetError` (nothing more is listed).
     """
-    from scipy.spatial import cKDTree
-
     atoms_out, images_out = [], []
     limit = reach * (1.0 + _MARGIN_EPS) + _MARGIN_EPS
     for rank, box in enumerate(boxes):
@@ -235,13 +233,15 @@ def find_ghosts(
             _raise_too_large(rank, float(per_atom.sum()), len(boxes), periodic, widths, reach, _MAX_CANDIDATES,
                              ", counted in its search box")
         mine = owner == rank
-        tree = cKDTree(wrapped[mine] @ basis) if exact else None
+        tree = search_tree(wrapped[mine] @ basis) if exact else None
         n_owned, kept_atoms, kept_images, kept = int(mine.sum()), [], [], 0
         steps = np.arange(1, math.ceil(float(per_atom.sum()) / _CHUNK)) * _CHUNK
         cuts = np.unique(np.r_[0, np.searchsorted(np.cumsum(per_atom), steps, side="right"), len(wrapped)])
         for lo, hi in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
-            atom, image = _images_in_range(tmin[lo:hi], tmax[lo:hi])
-            atom += lo
+            # only atoms with an image besides their owned row (an owned atom's own box holds it at t = 0)
+            some = lo + np.flatnonzero(per_atom[lo:hi] > mine[lo:hi])
+            atom, image = _images_in_range(tmin[some], tmax[some])
+            atom = some[atom]
             keep = ~((owner[atom] == rank) & ~image.any(axis=1))  # an owned atom at t = 0 is its owned row
             atom, image = atom[keep], image[keep]
             if exact:
@@ -259,6 +259,13 @@ def find_ghosts(
         atoms_out.append(np.concatenate(kept_atoms) if kept_atoms else np.zeros(0, dtype=np.int64))
         images_out.append(np.concatenate(kept_images) if kept_images else np.zeros((0, 3), dtype=np.int64))
     return tuple(atoms_out), tuple(images_out)
+
+
+def search_tree(points: np.ndarray):
+    """A `cKDTree` of `points` for exact radius queries (its shape does not change any answer; this one builds fastest)."""
+    from scipy.spatial import cKDTree
+
+    return cKDTree(points, balanced_tree=False, compact_nodes=False)
 
 
 def _check_frames(frac: np.ndarray, periodic: tuple[bool, bool, bool]) -> None:

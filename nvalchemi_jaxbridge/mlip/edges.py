@@ -1,8 +1,8 @@
 """Edges of each device's block: a neighbour list with a static capacity, grown, never cut.
 
-The list is built on the host (scipy's `cKDTree`, open boundaries) from the plan's
-halo positions, with radius `cutoff + skin`, so it stays a superset of the pairs
-within `cutoff` until the plan needs a rebuild (an atom moved more than `skin / 2`).
+The list is built on the host (scipy's `cKDTree`, open boundaries; one pair search and one sort
+per block) from the plan's halo positions, with radius `cutoff + skin`, so it stays a superset of
+the pairs within `cutoff` until the plan needs a rebuild (an atom moved more than `skin / 2`).
 Periodic images of other devices' atoms are ghost rows. Images of a device's own
 atoms are ghost rows too in a plan built with `self_images=True`; in one built with
 `self_images=False` (the model level's) they are no rows at all: the search places
@@ -28,8 +28,10 @@ import numpy as np
 
 from ..layout.capacity import Growth, fitted, regrown
 from ..layout.budget import MemoryBudget
+from ..layout.partition import search_tree
 
 RECEIVERS = ("owned", "all")
+_CHUNK = 1 << 20  # edges keyed and decoded at a time
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -101,15 +103,14 @@ class EdgePlan:
             receiver_reach: with receivers "all", only the rows within this distance (Å) of one of the
                 device's owned rows receive (None: every real row). The deep halo of an L-layer model
                 needs `(L - 1) * cutoff + skin`: a row farther out feeds no owned atom's energy.
-            budget: a `MemoryBudget`: each device's edges are counted before they are listed, and a
-                device whose rows and edges would cost more raises `LayoutBudgetError`.
+            budget: a `MemoryBudget`: each device's edges are counted as they are found (a host list of
+                some tens of bytes per edge), and a device whose rows and edges would cost more raises
+                `LayoutBudgetError` before the tables are built.
 
         Raises:
             ValueError: a bad `receivers`, a cutoff <= 0, or a plan whose halo is
                 shallower than `cutoff + skin`.
         """
-        from scipy.spatial import cKDTree
-
         if receivers not in RECEIVERS:
             raise ValueError(f"EdgePlan.build: receivers must be one of {RECEIVERS}, got {receivers!r}.")
         if not cutoff > 0:
@@ -130,35 +131,15 @@ class EdgePlan:
         n_pad = np.asarray(plan.n_padded)
         n_own = np.asarray(plan.n_owned)
         own_images = plan.own_images if plan.own_images else (np.zeros((0, 4), np.int64),) * d
-        blocks = []
+        per_device = []  # (sender rows, receivers, moved, images) in the edge order, per device
         for dev in range(d):
-            n_real, imgs = int(n_pad[dev]), own_images[dev]
-            # the rows, then the images of the device's own atoms that are no rows (as extra points)
-            pts = np.concatenate([halo[dev, :n_real], halo[dev, imgs[:, 0]] + imgs[:, 1:] @ plan.basis])
-            recv = _receivers(halo[dev], int(n_own[dev]), n_real, receivers, receiver_reach)
-            trees = (cKDTree(pts[recv]), cKDTree(pts)) if len(recv) else None
-            count = 0 if trees is None else int(trees[0].count_neighbors(trees[1], reach)) - len(recv)  # not itself
-            blocks.append((recv, trees, count))
+            recv = _receivers(halo[dev], int(n_own[dev]), int(n_pad[dev]), receivers, receiver_reach)
+            per_device.append(_block_edges(halo[dev], int(n_pad[dev]), own_images[dev], plan.basis, recv, reach))
+        n_edges = np.array([len(e[1]) for e in per_device], dtype=np.int64)
         if budget is not None:
-            worst = int(np.argmax([budget.cost(int(n_pad[k]), blocks[k][2]) for k in range(d)]))
-            budget.check("EdgePlan.build", int(n_pad[worst]), blocks[worst][2], estimated=False,
+            worst = int(np.argmax([budget.cost(int(n_pad[k]), n_edges[k]) for k in range(d)]))
+            budget.check("EdgePlan.build", int(n_pad[worst]), int(n_edges[worst]), estimated=False,
                          detail=f"; device {worst}, reach {reach:g} Å")
-        per_device = []
-        for dev, (recv, trees, _) in enumerate(blocks):
-            n_real, imgs = int(n_pad[dev]), own_images[dev]
-            if trees is None:
-                both = np.zeros((0, 2), dtype=np.int64)
-            else:
-                near = trees[0].sparse_distance_matrix(trees[1], reach, output_type="ndarray")
-                both = np.stack([near["j"], recv[near["i"]]], axis=1).astype(np.int64)  # (sender, receiver)
-                both = both[both[:, 0] != both[:, 1]]
-            extra = both[:, 0] >= n_real  # an image of an own atom: its owned row, with the lattice shift
-            image = np.zeros((len(both), 3), dtype=np.int64)
-            image[extra] = imgs[both[extra, 0] - n_real, 1:]
-            both[extra, 0] = imgs[both[extra, 0] - n_real, 0]
-            order = np.lexsort((image[:, 2], image[:, 1], image[:, 0], both[:, 0], both[:, 1]))
-            per_device.append((both[order].astype(np.int32), image[order].astype(np.int32)))
-        n_edges = np.array([len(e) for e, _ in per_device], dtype=np.int64)
         need = int(n_edges.max(initial=0))
         fresh, growth = max(1, fitted(need, headroom)), ()
         cap = fresh if edge_capacity is None else edge_capacity
@@ -166,13 +147,16 @@ class EdgePlan:
             cap = regrown(edge_capacity, fresh)
             growth = (Growth("edge_capacity", edge_capacity, cap, need),)
         pad_row = n_pad.astype(np.int32)
-        spare = (pad_row[:, None] + np.arange(cap)[None, :] % (hr - pad_row)[:, None]).astype(np.int32)
-        edges = np.repeat(spare[:, :, None], 2, axis=2)
-        image = np.zeros((d, cap, 3), dtype=np.int32)
-        for dev, (e, im) in enumerate(per_device):
-            edges[dev, : len(e)] = e
-            image[dev, : len(e)] = im
-        return cls(edges, -(image @ plan.basis), pad_row, spare, n_edges, int(cap), float(cutoff), reach, receivers,
+        spare = np.empty((d, cap), dtype=np.int32)
+        edges = np.empty((d, cap, 2), dtype=np.int32)
+        shift = np.zeros((d, cap, 3))  # `-image @ basis`: most images are zero, so only the others are multiplied
+        for dev, (send, recv, moved, image) in enumerate(per_device):
+            n = len(recv)
+            spare[dev] = np.resize(np.arange(pad_row[dev], hr, dtype=np.int32), cap)  # the padding rows, cycled
+            edges[dev, :n, 0], edges[dev, :n, 1] = send, recv
+            edges[dev, n:, 0] = edges[dev, n:, 1] = spare[dev, n:]
+            shift[dev, moved] = -(image @ plan.basis)
+        return cls(edges, shift, pad_row, spare, n_edges, int(cap), float(cutoff), reach, receivers,
                    float(headroom), growth, receiver_reach, budget)
 
     def rebuild(self, plan: Any, positions: np.ndarray) -> EdgePlan:
@@ -185,12 +169,67 @@ class EdgePlan:
 
 def _receivers(block: np.ndarray, n_own: int, n_real: int, receivers: str, reach: float | None) -> np.ndarray:
     """Rows of one block that receive edges: the owned rows, every real row, or those within `reach` of an owned row."""
-    if receivers == "owned" or n_own == 0:
+    if receivers == "owned" or n_own == 0 or n_own == n_real:
         return np.arange(n_own)
     if reach is None:
         return np.arange(n_real)
-    from scipy.spatial import cKDTree
-
     limit = reach * (1.0 + 1e-9) + 1e-9
-    dist, _ = cKDTree(block[:n_own]).query(block[:n_real], distance_upper_bound=limit)
-    return np.flatnonzero(dist <= limit)
+    dist, _ = search_tree(block[:n_own]).query(block[n_own:n_real], distance_upper_bound=limit)
+    return np.concatenate([np.arange(n_own), n_own + np.flatnonzero(dist <= limit)])  # an owned row is 0 from itself
+
+
+def _block_edges(block: np.ndarray, n_real: int, own_images: np.ndarray, basis: np.ndarray, recv: np.ndarray,
+                 reach: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One block's edges within `reach` into the rows `recv` (ascending).
+
+    Returns `(sender rows, receivers, moved, images)`: the int32 rows of each edge, the edges whose sender
+    is an image of its row (indices) and those images' lattice shifts. The points are the block's real
+    rows, then the images of its own atoms that are no rows (`own_images`: owned row and lattice shift,
+    ordered by both). Pairs of receivers are found once each (`cKDTree.query_pairs`, an edge each way),
+    then the other points within reach of a receiver (no search among points that do not receive).
+    Edges are ordered by receiver, then sender row, then the sender's lattice shift: one sort of an
+    int64 key, the receiver above the sender's rank in the order of rows and shifts (a row's images
+    with a negative shift, the row, those with a positive).
+    """
+    n_pts = n_real + len(own_images)
+    if len(recv) == 0 or n_pts < 2:
+        return np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros((0, 3), np.int64)
+    rows = np.concatenate([np.arange(n_real, dtype=np.int32), own_images[:, 0].astype(np.int32)])
+    images = own_images[:, 1:]
+    points = np.concatenate([block[:n_real], block[own_images[:, 0]] + images @ basis])
+    sign = np.zeros(n_pts, np.int64)  # lexicographic sign of each point's shift: -1, 0 (a row) or 1
+    sign[n_real:] = np.sign(images[np.arange(len(images)), (images != 0).argmax(axis=1)])
+    by_key = np.argsort(rows.astype(np.int64) * 3 + sign + 1, kind="stable")  # own_images are ordered within one
+    rank = np.empty(n_pts, np.int64)
+    rank[by_key] = np.arange(n_pts)
+    others = np.ones(n_pts, bool)
+    others[recv] = False
+    others = np.flatnonzero(others)
+    receivers = search_tree(points[recv])
+    pairs = receivers.query_pairs(reach, output_type="ndarray")
+    near = search_tree(points[others]).sparse_distance_matrix(receivers, reach, output_type="ndarray")
+    bits = n_pts.bit_length()  # the key: receiver (a row) in the high bits, the sender's rank in the low ones
+    key = np.empty(2 * len(pairs) + len(near), np.int64)
+    high, low = recv.astype(np.int64) << bits, rank[recv]
+    parts = [(pairs[:, 1], high, pairs[:, 0], low), (pairs[:, 0], high, pairs[:, 1], low),
+             (near["j"], high, near["i"], rank[others])]
+    start = 0
+    for into, into_key, send, send_key in parts:
+        for lo in range(0, len(into), _CHUNK):  # a chunk at a time: the temporaries stay in cache
+            hi = min(lo + _CHUNK, len(into))
+            np.bitwise_or(into_key[into[lo:hi]], send_key[send[lo:hi]], out=key[start + lo : start + hi])
+        start += len(into)
+    del pairs, near, parts
+    key.sort()
+    send_rows, receiver = np.empty(len(key), np.int32), np.empty(len(key), np.int32)
+    row_by_rank, image_by_rank = rows[by_key], by_key >= n_real
+    moved, moved_images = [np.zeros(0, np.int64)], [np.zeros((0, 3), np.int64)]
+    for lo in range(0, len(key), _CHUNK):
+        k = key[lo : lo + _CHUNK]
+        sender = k & ((1 << bits) - 1)  # the sender's rank
+        send_rows[lo : lo + len(k)] = row_by_rank[sender]
+        np.right_shift(k, bits, out=receiver[lo : lo + len(k)], casting="unsafe")  # a row: fits int32
+        image = np.flatnonzero(image_by_rank[sender])
+        moved.append(lo + image)
+        moved_images.append(images[by_key[sender[image]] - n_real])
+    return send_rows, receiver, np.concatenate(moved), np.concatenate(moved_images)
