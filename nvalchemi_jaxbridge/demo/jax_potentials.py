@@ -27,14 +27,18 @@ _DSF = DSFParams()
 
 
 def _dense_pairs(positions: jax.Array, owned_mask: jax.Array, cutoff: float):
-    """All ordered pairs of the block: (d = r_i - r_j, safe r2, weight w_ij, 0 outside the cutoff)."""
+    """All ordered pairs of the block: (safe r2, weight w_ij, 0 outside the cutoff).
+
+    r2 is summed from three `(R, R)` component arrays: reduced from one `(R, R, 3)` array of separations,
+    XLA:CPU materialises that array and reduces it outside the fused loop.
+    """
     rows = positions.shape[0]
-    d = positions[:, None, :] - positions[None, :, :]
-    r2 = jnp.sum(d * d, axis=-1)
+    d = [positions[:, k, None] - positions[None, :, k] for k in range(3)]
+    r2 = d[0] * d[0] + d[1] * d[1] + d[2] * d[2]
     inside = (r2 <= cutoff * cutoff) & ~jnp.eye(rows, dtype=bool)
     own = owned_mask.astype(positions.dtype)
     w = jnp.where(inside, 0.5 * (own[:, None] + own[None, :]), 0.0)
-    return d, jnp.where(inside, r2, 1.0), w
+    return jnp.where(inside, r2, 1.0), w
 
 
 @jax.custom_jvp
@@ -61,10 +65,19 @@ def _erfc_jvp(primals, tangents):
     return _erfc(x), (-2.0 / math.sqrt(math.pi)) * jnp.exp(-(x * x)) * t
 
 
-def _accumulate(d, w, u, fscal):
-    """Energy 1/2 sum w u over ordered pairs; force_i = sum_j w fscal d_ij, with fscal = -u'(r)/r."""
+def _accumulate(positions, owned_mask, w, u, fscal):
+    """Energy 1/2 sum w u over ordered pairs; force_i = sum_j c_ij (r_i - r_j), with c = w fscal, fscal = -u'(r)/r.
+
+    The force sum is taken as r_i sum_j c_ij - (c @ r)_i: one matrix product instead of an `(R, R, 3)` array
+    (with `_dense_pairs`, an MD step of the CLI's 32-atom, 2-device argon took 19 ms of CPU instead of 54).
+    Positions are taken from the owned rows' mean, so both terms stay of the block's size and the
+    cancellation costs a few ulps of it; padding rows have c = 0 and add nothing wherever they are parked.
+    """
     energy = 0.5 * jnp.sum(w * u)
-    forces = jnp.sum((w * fscal)[..., None] * d, axis=1)
+    c = w * fscal
+    own = owned_mask.astype(positions.dtype)
+    x = positions - ((own @ positions) / jnp.maximum(jnp.sum(own), 1.0))[None, :]
+    forces = jnp.sum(c, axis=1)[:, None] * x - c @ x
     return energy, forces
 
 
@@ -89,12 +102,12 @@ def lj_energy_forces(
     """
     check_block("lj_energy_forces", positions, owned_mask)
     check_scalars("lj_energy_forces", epsilon=epsilon, sigma=sigma, cutoff=cutoff)
-    d, r2, w = _dense_pairs(positions, owned_mask, cutoff)
+    r2, w = _dense_pairs(positions, owned_mask, cutoff)
     sr6_cut = (sigma / cutoff) ** 6
     sr6 = (sigma * sigma / r2) ** 3
     u = 4.0 * epsilon * (sr6 * sr6 - sr6 - (sr6_cut * sr6_cut - sr6_cut))
     fscal = 24.0 * epsilon * (2.0 * sr6 * sr6 - sr6) / r2
-    return _accumulate(d, w, u, fscal)
+    return _accumulate(positions, owned_mask, w, u, fscal)
 
 
 def dsf_energy_forces(
@@ -129,7 +142,7 @@ def dsf_energy_forces(
         "dsf_energy_forces", alpha=alpha, cutoff=cutoff, born_a=born_a, born_rho=born_rho,
         coulomb_constant=coulomb_constant,
     )
-    d, r2, w = _dense_pairs(positions, owned_mask, cutoff)
+    r2, w = _dense_pairs(positions, owned_mask, cutoff)
     r = jnp.sqrt(r2)
     rc = cutoff
     two_a_pi = 2.0 * alpha / math.sqrt(math.pi)
@@ -148,7 +161,7 @@ def dsf_energy_forces(
     exp_r = jnp.exp(-r / born_rho)
     u = qq * u_c + born_a * (exp_r - math.exp(-rc / born_rho))
     fscal = (qq * f_c + born_a / born_rho * exp_r) / r
-    energy, forces = _accumulate(d, w, u, fscal)
+    energy, forces = _accumulate(positions, owned_mask, w, u, fscal)
     self_coef = coulomb_constant * (erfc_rc / (2 * rc) + alpha / math.sqrt(math.pi))
     own = owned_mask.astype(positions.dtype)
     return energy - self_coef * jnp.sum(own * q * q), forces
