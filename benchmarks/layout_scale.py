@@ -172,6 +172,8 @@ def _context() -> dict[str, str]:
         "load average (1 min)": f"{os.getloadavg()[0]:.1f}",
         "python": platform.python_version(), "numpy": np.__version__, "scipy": scipy.__version__,
         "jax": jax.__version__,
+        # tall (N, 3) @ (3, 3) products go through OpenBLAS, whose idle threads spin on CPU time on a busy host
+        "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", "unset"),
         "setting": f"rattled fcc Cu a={A_CU} Å, cutoff {CUTOFF} Å, {N_LAYERS} layers, skin {SKIN} Å; JAX CPU devices",
     }
 
