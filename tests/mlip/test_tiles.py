@@ -62,12 +62,13 @@ def test_weighted_atomic_energies_differentiate_as_without_tiles():
     assert np.abs(grads[0][0]).max() > 1e-3  # not a vanishing derivative
 
 
+@pytest.mark.slow
 def test_md_with_tiles_follows_the_one_device_trajectory():
     w, atoms = cases.wrapper("mpnn"), cases.structure("small")
     masses = atoms.get_masses()
     v = maxwell_boltzmann(masses, 300.0, seed=1)
     want = reference_nve(w.model, atoms, w.cutoff, w.node_attrs(atoms.numbers), v, masses, steps=100, dt=1.0)
-    model = DistributedMLIP(w, n_devices=2, exchange="deep_halo", skin=1.0, tiles=4)
+    model = DistributedMLIP(w, n_devices=2, exchange="deep_halo", skin=1.0, tiles=2)
     out = nve(model, atoms.positions, v, masses, atoms.numbers, atoms.cell.array, atoms.pbc, steps=100, dt=1.0,
               check_every=25)
     assert out["rebuilds"] >= 2  # tiles rebuilt with the block
