@@ -68,7 +68,7 @@ def test_md_with_tiles_follows_the_one_device_trajectory():
     masses = atoms.get_masses()
     v = maxwell_boltzmann(masses, 300.0, seed=1)
     want = reference_nve(w.model, atoms, w.cutoff, w.node_attrs(atoms.numbers), v, masses, steps=100, dt=1.0)
-    model = DistributedMLIP(w, n_devices=2, exchange="deep_halo", skin=1.0, tiles=2)
+    model = DistributedMLIP(w, n_devices=1, exchange="deep_halo", skin=1.0, tiles=3)
     out = nve(model, atoms.positions, v, masses, atoms.numbers, atoms.cell.array, atoms.pbc, steps=100, dt=1.0,
               check_every=25)
     assert out["rebuilds"] >= 2  # tiles rebuilt with the block
