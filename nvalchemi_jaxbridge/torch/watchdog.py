@@ -275,13 +275,13 @@ class Watchdog:
         self._stop_job(dataclasses.replace(first, rank=self.rank, where=where), code)
 
     def _where(self) -> str:
-        """Where this rank's program is and for how long, for a record ("" before the first heartbeat)."""
-        if self._last is None:
-            return ""
+        """Where this rank's program is, for a record, and for how long when a heartbeat has seen it there
+        (a peer can fail before this rank's first heartbeat: the place is still worth saying)."""
         pos, _ = self._position()
-        still = time.monotonic() - self._last[1]
         what = "waiting in JAX" if pos.waiting else "in its own code"
-        return f"{pos.where} ({what} for {still:.0f} s)"
+        if self._last is None or self._last[0] != pos.key:
+            return f"{pos.where} ({what})"
+        return f"{pos.where} ({what} for {time.monotonic() - self._last[1]:.0f} s)"
 
     def _peer_gone(self, r: int) -> None:
         """Rank `r`'s process ended without goodbye (`torch/lifeline.py`): name it and end the job."""
