@@ -3,6 +3,7 @@
     python -m benchmarks run                         # every question, each in its own process
     python -m benchmarks run md mlip --sizes mlip=108,1372 --dtype float32
     python -m benchmarks run --smoke --device cpu    # tiny sizes: checks the code paths, times nothing
+    python -m benchmarks run tiles --memory-budget 60G --kernels tiles=cueq   # tiles with a budget, cuequivariance
     python -m benchmarks list                        # the questions and what their options mean
     python -m benchmarks soak --kernels torch jax --steps 2500 --every 10   # the main job's memory soak
 
@@ -64,6 +65,9 @@ QUESTIONS: dict[str, Question] = {
                         "on CPU)", 90.0),
     "first-call": Question("First call: where a cold single point spends its time", ("first_call",),
                            "(not used)", "", 60.0),
+    "tiles": Question("Tiles: MACE through the bridge past one GPU's memory, tiles chosen by the memory model",
+                      ("tiles",), "atoms of fcc Cu/Au, 4 n^3 (default 1372,10976,55296,256000,1000188)",
+                      "MACE kernels: e3nn, cueq (default e3nn)", 900.0),
 }
 
 
@@ -104,6 +108,7 @@ class Options:
     steps: int | None = None
     devices: tuple[int, ...] | None = None
     budget_s: float | None = None
+    memory_budget: int | None = None  # bytes per device, where a question takes a memory budget
     label: str = ""
     platform: str = ""  # "cpu" or "gpu" once the question's process has set JAX up
 
@@ -137,7 +142,8 @@ class Options:
         a = ["--device", self.device, "--out", str(self.out)] + (["--smoke"] if self.smoke else [])
         a += [x for q, v in self.sizes for x in ("--sizes", f"{q}={v}" if q else v)]
         a += [x for q, v in self.kernels for x in ("--kernels", f"{q}={v}" if q else v)]
-        for flag, value in (("--repeats", self.repeats), ("--steps", self.steps), ("--budget-s", self.budget_s)):
+        for flag, value in (("--repeats", self.repeats), ("--steps", self.steps), ("--budget-s", self.budget_s),
+                            ("--memory-budget", self.memory_budget)):
             if value is not None:
                 a += [flag, str(value)]
         if self.dtypes:
@@ -164,6 +170,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--steps", type=int, default=None, help="MD steps per run where a question runs MD (default: its own)")
     run.add_argument("--devices", default=None, help="device counts for the multi-device parts, e.g. 1,2,4,8")
     run.add_argument("--budget-s", type=float, default=None, help="time budget of each question (default: its own)")
+    run.add_argument("--memory-budget", default=None, metavar="BYTES",
+                     help="memory budget per device where a question takes one (tiles), K/M/G suffixes (x1024), "
+                          "e.g. 60G (default: the library's, half of each device's memory)")
     run.add_argument("--label", default="", help="a tag for the rows (e.g. the version measured)")
     run.add_argument("--in-process", action="store_true",
                      help="run the questions in this process (default: each in its own, under a timeout)")
@@ -185,9 +194,15 @@ def options(args: argparse.Namespace) -> Options:
         raise ValueError(f"--devices {args.devices!r}: write device counts as a comma list, e.g. 1,2,4,8.") from None
     if bad := [q for q in args.questions if q not in QUESTIONS]:
         raise ValueError(f"unknown question(s) {bad}; questions: {', '.join(QUESTIONS)} (python -m benchmarks list).")
+    try:
+        memory = parse_size(args.memory_budget) if args.memory_budget is not None else None
+    except ValueError as e:
+        raise ValueError(f"--memory-budget: {e}") from None
+    if memory is not None and memory <= 0:
+        raise ValueError(f"--memory-budget {args.memory_budget!r}: give bytes per device > 0, e.g. 60G.")
     opt = Options(smoke=args.smoke, device=args.device, out=args.out, sizes=_scoped(args.sizes, "--sizes"),
                   kernels=_scoped(args.kernels, "--kernels"), repeats=args.repeats, dtypes=dtypes, steps=args.steps,
-                  devices=devices, budget_s=args.budget_s, label=args.label)
+                  devices=devices, budget_s=args.budget_s, memory_budget=memory, label=args.label)
     for q, v in opt.sizes:  # sizes are checked now, not minutes later in a question's process
         for s in v.split(","):
             parse_size(s)

@@ -151,3 +151,20 @@ def test_first_call_reports_its_phases(smoke):
     rows = {r["phase"]: r for r in _table(_text(smoke, "first-call"), "The first single point")}
     assert [p.removeprefix("- ") for p in rows] == [p.strip() for p in ORDER]
     assert float(rows["first single point"]["cold (first process, empty cache)"]) > 0
+
+
+def test_tiles_follow_native_and_the_memory_model(smoke):
+    text = _text(smoke, "tiles")
+    rows = _table(text, "MACE energy + forces in tiles")
+    assert [(r["kernels"], r["dtype"], r["atoms"]) for r in rows] == [("e3nn", "float64", "32"),
+                                                                      ("e3nn", "float64", "108")]
+    for r in rows:
+        de, rest = r["parity dE/E [node sums], max dF (eV/A)"].split(" [")
+        de_nodes, df = rest.split("], ")
+        assert float(de_nodes) <= 1e-9 and float(df) <= 1e-8, r  # tiles="auto" against MACE's own forward
+        assert abs(float(r["measured / predicted"]) - 1) <= 0.1, r  # the memory model on a real block
+        assert float(r["NVE step vs closed form (A)"]) <= 1e-9, r  # one nve step is velocity Verlet's
+        assert all(_num(r[c]) > 0 for c in ("E+F s", "native E+F s", "NVE step s (whole call s)")), r
+        assert r["largest tile rows / edges"].startswith(f"{r['atoms']} / ")  # one tile: the box is one halo wide
+    svg = (smoke[1] / "tiles.svg").read_text()
+    assert "<svg" in svg and "atom-steps" in svg

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from benchmarks import common as cm
-from benchmarks import runner, scaling, soak
+from benchmarks import runner, scaling, soak, tiles_plot
 from benchmarks.md_step import cells_for
 from nvalchemi_jaxbridge.demo import reference
 from nvalchemi_jaxbridge.layout import HaloPlan
@@ -45,6 +45,8 @@ def test_scoped_values_go_to_their_question_and_the_rest_to_all():
     (["--devices", "1;2"], r"--devices '1;2': write device counts as a comma list, e.g. 1,2,4,8"),
     (["nope"], r"unknown question\(s\) \['nope'\]; questions: kernel.*python -m benchmarks list"),
     (["--sizes", "md=1,two"], r"not a size: 'two'"),
+    (["--memory-budget", "60Q"], r"--memory-budget: not a size: '60Q'; write an integer, optionally with K, M or G"),
+    (["--memory-budget", "0"], r"--memory-budget '0': give bytes per device > 0, e.g. 60G"),
 ])
 def test_bad_options_say_what_and_how(argv, match):
     with pytest.raises(ValueError, match=match):
@@ -67,12 +69,14 @@ lists = st.lists(st.integers(1, 10**6), min_size=1, max_size=3).map(lambda xs: "
                                                                                             ("float32", "float64")]),
                   steps=st.none() | st.integers(1, 5000), devices=st.none() | st.lists(st.integers(1, 8), min_size=1,
                                                                                        max_size=4).map(tuple),
-                  budget=st.none() | st.floats(1, 1e4), label=st.text("abc -_", max_size=8))
+                  budget=st.none() | st.floats(1, 1e4), memory=st.none() | st.integers(1, 1 << 40),
+                  label=st.text("abc -_", max_size=8))
 def test_options_round_trip_through_the_command_line(smoke, device, sizes, repeats, dtypes, steps, devices, budget,
-                                                     label):
+                                                     memory, label):
     # what a question's own process gets (`Options.argv`) parses back to the same options
     opt = runner.Options(smoke=smoke, device=device, out=pathlib.Path("/tmp/x"), sizes=tuple(sizes), repeats=repeats,
-                         dtypes=dtypes, steps=steps, devices=devices, budget_s=budget, label=label.strip() or "")
+                         dtypes=dtypes, steps=steps, devices=devices, budget_s=budget, memory_budget=memory,
+                         label=label.strip() or "")
     assert _parse(opt.argv()) == opt
 
 
@@ -240,3 +244,43 @@ def test_a_float64_run_checks_its_own_forces(monkeypatch, tmp_path):
 def test_a_float32_difference_is_reported_not_asserted(monkeypatch, tmp_path):
     rep, _ = _fake_scaling(monkeypatch, tmp_path, "float32", timed_error=1e-3, parity_error=0.0)
     assert rep.failures == [] and "| 0.0e+00 ok | 1.0e-03 |" in rep.markdown()
+
+
+# ------------------------------------------------------------------ the tiles question's plot
+
+
+def _points(atoms, per_s, peaks, native_s):
+    return [tiles_plot.Point(a, 1, a / r, 0.9 * m, m, 1.0, n, 2 * m) for a, r, m, n in zip(atoms, per_s, peaks, native_s)]
+
+
+def _polylines(text):
+    import xml.etree.ElementTree as ET
+
+    ns = "{http://www.w3.org/2000/svg}"
+    root = ET.fromstring(text)
+    return [[tuple(map(float, xy.split(","))) for xy in line.get("points").split()] for line in root.iter(f"{ns}polyline")]
+
+
+def test_the_hand_drawn_plot_is_log_log():
+    nan = float("nan")
+    pts = _points([10**3, 10**4, 10**5], [1e3, 1e4, 1e5], [1 << 30, 4 << 30, 16 << 30], [0.5, 5.0, nan])
+    lines = _polylines(tiles_plot.svg(pts, "t & <t>"))
+    # panel 0: the bridge (3 sizes), native (2: NaN left out); panel 1: measured, predicted, native peaks
+    assert [len(line) for line in lines] == [3, 2, 3, 3, 3]
+    bridge, native, measured = lines[0], lines[1], lines[2]
+    dx, dy = np.diff([p[0] for p in bridge]), np.diff([p[1] for p in bridge])
+    np.testing.assert_allclose(dx, dx[0])  # decades equally spaced on both axes
+    np.testing.assert_allclose(dy, dy[0])
+    assert dx[0] > 0 and dy[0] < 0  # right and up (SVG's y grows downwards)
+    assert native[:2] == [(bridge[0][0], native[0][1]), (bridge[1][0], native[1][1])] and native[0][1] < bridge[0][1]
+    my = np.diff([p[1] for p in measured])
+    np.testing.assert_allclose(my[0], my[1])  # peaks 1, 4, 16 GiB: equal steps on a log axis
+
+
+def test_without_matplotlib_the_plot_is_drawn_by_hand(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    pts = _points([100, 1000], [50.0, 400.0], [1 << 20, 1 << 23], [1.0, 1.0])
+    path = tiles_plot.write_plot(pts, tmp_path / "tiles.svg", "MACE")
+    assert path.read_text() == tiles_plot.svg(pts, "MACE")
