@@ -17,8 +17,9 @@ smoke run: the tests' small MACE in float64) on rattled fcc Cu/Au of 4 n^3 atoms
 - native: `model(batch, compute_force=True)` on MACE's own batch, its time and torch's peak, and the
   bridge's parity against it, up to the first size that runs out of memory (no larger size is tried).
 
-A row is added as each size ends and the plot (OUT/tiles.svg: atom-steps/s and peak memory against atoms,
-log-log, native beside the bridge) is redrawn, so a run stopped by its time limit keeps what it measured.
+A row is added as each size ends and the plot (OUT/tiles_<kernels>_<dtype>.svg: atom-steps/s and peak
+memory against atoms, log-log, native beside the bridge; the bridge's memory is a tile's peak plus what JAX
+holds, its tables) is redrawn, so a run stopped by its time limit keeps what it measured.
 A smoke run's sizes are one tile each (a tile's deep halo, 2 x 5 A, spans their whole box, so tiles would
 not shrink them): it checks the code paths, the parity and the memory model on a real block.
 """
@@ -80,7 +81,8 @@ def run(rep: cm.Report, opt) -> None:
                 before = len(points)
                 with rep.section(f"tiles {kernel} {dtype}, {n} atoms"):
                     points.append(_size(rep, table, model, kernel, dtype, n, rounds, budget, shared, opt, dev))
-                    write_plot(points, opt.out / "tiles.svg", f"MACE ({kernel}, {dtype}) on {rep.ctx['device']}")
+                    write_plot(points, opt.out / f"tiles_{kernel}_{dtype}.svg",
+                               f"MACE ({kernel}, {dtype}) on {rep.ctx['device']}")
                 _free(gpu)
                 if len(points) == before:  # the bridge failed at this size: larger ones would too
                     break
@@ -117,7 +119,7 @@ def _size(rep: cm.Report, table: cm.Table, model, kernel: str, dtype: str, n: in
     t_call = cm.med(times)
     if not gpu:
         measured = _largest_tile_peak(state, wrapper, atoms, shared["cost"])
-    in_use = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", float("nan")) if gpu else float("nan")
+    in_use = float((jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0)) if gpu else 0.0
     r = state.rows_per_device()[0]
     rows, edges = r.get("tile_rows", r["owned"] + r["ghost"]), r.get("tile_edges", r["edges"])
     forces = -np.asarray(state.cs.to_global(g_pos), np.float64)
@@ -143,12 +145,13 @@ def _size(rep: cm.Report, table: cm.Table, model, kernel: str, dtype: str, n: in
         if not ok:
             rep.fail(f"{where}: the bridge differs from native ({par})")
     predicted = choice.predicted_bytes
+    native = (["-"] * 4 if nat is None else
+              [f"{n_t:.4g}", cm.human_bytes(n_peak), f"{len(atoms) / n_t:,.0f}", cm.ratio(t_call, n_t)])
     table.add(kernel, dtype, len(atoms), choice.tiles, f"{rows:,} / {edges:,}", f"{t_layout:.3g}", f"{t_first:.3g}",
               f"{t_call:.4g}", f"{len(atoms) / t_call:,.0f}", cm.human_bytes(predicted), cm.human_bytes(measured),
-              f"{measured / predicted:.3f}", cm.human_bytes(in_use), f"{nve_step:.4g} ({nve_call:.3g})",
-              f"{nve_dx:.1e}", "-" if nat is None else f"{n_t:.4g}", "-" if nat is None else cm.human_bytes(n_peak),
-              "-" if nat is None else f"{len(atoms) / n_t:,.0f}", "-" if nat is None else cm.ratio(t_call, n_t), par)
-    return Point(len(atoms), choice.tiles, t_call, predicted, measured, nve_step, n_t, n_peak)
+              f"{measured / predicted:.3f}", cm.human_bytes(in_use) if gpu else "n/a",
+              f"{nve_step:.4g} ({nve_call:.3g})", f"{nve_dx:.1e}", *native, par)
+    return Point(len(atoms), choice.tiles, t_call, predicted, measured, in_use, nve_step, n_t, n_peak)
 
 
 def _rounds(call, rounds: int, gpu_dev) -> tuple[float, list[float]]:

@@ -166,5 +166,5 @@ def test_tiles_follow_native_and_the_memory_model(smoke):
         assert float(r["NVE step vs closed form (A)"]) <= 1e-9, r  # one nve step is velocity Verlet's
         assert all(_num(r[c]) > 0 for c in ("E+F s", "native E+F s", "NVE step s (whole call s)")), r
         assert r["largest tile rows / edges"].startswith(f"{r['atoms']} / ")  # one tile: the box is one halo wide
-    svg = (smoke[1] / "tiles.svg").read_text()
+    svg = (smoke[1] / "tiles_e3nn_float64.svg").read_text()
     assert "<svg" in svg and "atom-steps" in svg

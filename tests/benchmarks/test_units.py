@@ -250,7 +250,8 @@ def test_a_float32_difference_is_reported_not_asserted(monkeypatch, tmp_path):
 
 
 def _points(atoms, per_s, peaks, native_s):
-    return [tiles_plot.Point(a, 1, a / r, 0.9 * m, m, 1.0, n, 2 * m) for a, r, m, n in zip(atoms, per_s, peaks, native_s)]
+    return [tiles_plot.Point(a, 1, a / r, 0.9 * m, m, 0.0, 1.0, n, 2 * m) for a, r, m, n in zip(atoms, per_s, peaks,
+                                                                                              native_s)]
 
 
 def _polylines(text):
@@ -258,7 +259,8 @@ def _polylines(text):
 
     ns = "{http://www.w3.org/2000/svg}"
     root = ET.fromstring(text)
-    return [[tuple(map(float, xy.split(","))) for xy in line.get("points").split()] for line in root.iter(f"{ns}polyline")]
+    return [[tuple(map(float, xy.split(","))) for xy in line.get("points").split()]
+            for line in root.iter(f"{ns}polyline")]
 
 
 def test_the_hand_drawn_plot_is_log_log():
