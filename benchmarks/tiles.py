@@ -275,12 +275,16 @@ def _targets(rep: cm.Report, kernel: str, dtype: str, points: list[Point]) -> No
         rep.target(f"MACE ({kernel}, {dtype}) >= 10^6 atoms through the bridge on one GPU, E+F and one NVE step "
                    "(issue 30)", f"{big.atoms:,} atoms, {_tiles(big)}: E+F {big.time_s:.3g} s, NVE step "
                    f"{big.nve_s:.3g} s", big.atoms >= 10**6 and big.nve_s == big.nve_s)
-    stopped = len(native) < len(points)  # native ran out of memory: its largest is known
-    if native:
+    if native:  # native's largest lies between the last size that fit and the first that did not
+        fit = native[-1].atoms
+        oom = points[len(native)].atoms if len(native) < len(points) else None
+        # certain when the bridge's largest is under 10x what fit, or over 10x what did not; else undecided
+        verdict = False if big.atoms < 10 * fit else (True if oom is not None and big.atoms >= 10 * oom else None)
         rep.target(f"MACE ({kernel}, {dtype}) through the bridge >= 10x native's largest system (issue 30)",
-                   f"{big.atoms:,} / {native[-1].atoms:,} atoms = {big.atoms / native[-1].atoms:.1f}x" +
-                   ("" if stopped else " (native never ran out of memory: a lower bound of its largest)"),
-                   (big.atoms >= 10 * native[-1].atoms) if stopped else None)
+                   f"{big.atoms:,} atoms: {big.atoms / fit:.1f}x native's {fit:,}, which fit" +
+                   (f", {big.atoms / oom:.1f}x its {oom:,}, out of memory" if oom else
+                    " (native never ran out of memory: its largest is not known)"),
+                   verdict)
         at = native[-1]
         rep.target(f"MACE ({kernel}, {dtype}) throughput at native's largest size >= 0.75x native (issue 30)",
                    f"{at.atoms:,} atoms, {_tiles(at)}: {at.native_s / at.time_s:.2f}x native",
