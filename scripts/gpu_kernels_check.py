@@ -20,7 +20,8 @@ Checks (each prints PASS/FAIL; exit status 1 if any FAIL):
                                  op (each case in a child process, so a crash is a FAIL, not the end)
 An INFO line shows what the same callback gives without ExternalStream (expected to race).
 No pytest needed. Works with jax 0.11.2+ (no 0.12-only APIs).
-`--paths callback` (or `ffi`) runs one path only; `--error-case CASE` is the child process of `errors`.
+`--paths callback` (or `ffi`) runs one path only; `--error-case CASE[,CASE...]` is the child process of `errors`
+(each case on each of `--paths`, in this one process: the CPU test runs them all in one child).
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+
+ERROR_CASE_NAMES = ("raises", "lies", "backward-raises")
+if "--error-case" in sys.argv:  # refuse an unknown case before the imports below (seconds each)
+    _unknown = [c for c in sys.argv[sys.argv.index("--error-case") + 1].split(",") if c not in ERROR_CASE_NAMES]
+    if _unknown:
+        print(f"unknown --error-case {_unknown[0]!r}; the cases are: {', '.join(ERROR_CASE_NAMES)}", file=sys.stderr)
+        sys.exit(2)
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax initialises
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -191,6 +199,7 @@ ERROR_CASES = {
     "lies": ("liar", False, "return 0 is [3]"),
     "backward-raises": ("bad_bwd", True, "boom in the backward of gpucheck::bad_bwd"),
 }
+assert tuple(ERROR_CASES) == ERROR_CASE_NAMES
 
 
 # ------------------------------------------------------------------ checks
@@ -299,9 +308,6 @@ def check_dlpack() -> None:
 
 def error_case(case: str, path: str) -> int:
     """In a child process: run one failing op on the default device; 0 if JAX raised with the op's message."""
-    if case not in ERROR_CASES:
-        print(f"unknown --error-case {case!r}; the cases are: {', '.join(ERROR_CASES)}", file=sys.stderr)
-        return 2
     op, differentiate, text = ERROR_CASES[case]
     k = TorchOpKernel(getattr(torch.ops.gpucheck, op).default, call_path=path)
     x = jnp.ones(4, jnp.float64)
@@ -313,10 +319,16 @@ def error_case(case: str, path: str) -> int:
     except jax.errors.JaxRuntimeError as e:
         if text in str(e):
             return 0
-        print(f"the error does not name the op's failure: {str(e)[:300]}", flush=True)
+        print(f"{case} on {path}: the error does not name the op's failure: {str(e)[:300]}", flush=True)
         return 3
-    print("no error raised", flush=True)
+    print(f"{case} on {path}: no error raised", flush=True)
     return 4
+
+
+def error_cases(cases: list[str], paths: list[str]) -> int:
+    """Every case on every path in this process; the first failure's code (0: every one raised as it should)."""
+    codes = [error_case(case, path) for path in paths for case in cases]
+    return next((c for c in codes if c), 0)
 
 
 def check_errors(path: str) -> None:
@@ -336,7 +348,7 @@ def main() -> int:
     if "--paths" in sys.argv:
         PATHS[:] = sys.argv[sys.argv.index("--paths") + 1].split(",")
     if "--error-case" in sys.argv:  # the child process of check_errors
-        return error_case(sys.argv[sys.argv.index("--error-case") + 1], PATHS[0])
+        return error_cases(sys.argv[sys.argv.index("--error-case") + 1].split(","), PATHS)
     print(f"jax {jax.__version__}, torch {torch.__version__}, triton {triton.__version__}, devices {jax.devices()}", flush=True)
     try:
         has_gpu = bool(jax.devices("gpu"))
