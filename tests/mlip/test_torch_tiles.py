@@ -16,6 +16,7 @@ from nvalchemi_jaxbridge.layout.budget import LayoutBudgetError
 from nvalchemi_jaxbridge.mlip.memory import tables_budget
 from nvalchemi_jaxbridge.mlip.memory_probe import ModelCost
 from nvalchemi_jaxbridge.mlip.protocol import BlockGraph
+from nvalchemi_jaxbridge.mlip import torch_model
 from nvalchemi_jaxbridge.mlip.torch_model import TorchDistributedMLIP
 from nvalchemi_jaxbridge.mlip.torch_tiles import rank_tiles, tiled_node_energies
 from tests.mlip import cases
@@ -89,13 +90,31 @@ def test_a_weighted_sum_of_atomic_energies_differentiates_as_the_whole_block(wei
     assert want[0].abs().max() > 1e-3
 
 
-def test_auto_tiles_fit_the_budget_and_give_the_doors_numbers():
+def test_update_rebuilds_the_tiles_with_the_block():
+    atoms = _atoms("rod")
+    moved = atoms.positions + np.random.default_rng(4).normal(scale=0.3, size=atoms.positions.shape)
+    plain = TorchDistributedMLIP(cases.wrapper("mpnn"), exchange="deep_halo")
+    want = plain.evaluate(moved, atoms.numbers, atoms.cell.array, atoms.pbc)
+    dm = TorchDistributedMLIP(cases.wrapper("mpnn"), exchange="deep_halo", tiles=3)
+    state = dm.prepare(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
+    again = dm.update(state, moved)
+    assert again is not state and again.tiles is not state.tiles and again.tiles.n_tiles == 3
+    check_same(dm.evaluate(moved, atoms.numbers, atoms.cell.array, atoms.pbc, state=again), want)
+
+
+def test_auto_tiles_fit_the_budget_and_give_the_doors_numbers(monkeypatch):
     wrapper, atoms = cases.wrapper("mpnn"), _atoms("rod")
     want, _ = _evaluate("rod")
+    probed = []
+
+    def probe(w, numbers, device):  # the MPNN's cost as the probe measures it (~15 s here; test_tile_choice.py)
+        probed.append((w, sorted(numbers), device))
+        return ModelCost(bytes_per_row=1424.0, bytes_per_edge=2275.0, fixed=336.0)
+
+    monkeypatch.setattr(torch_model, "probe_cost", probe)
     whole = TorchDistributedMLIP(wrapper, exchange="deep_halo", tiles="auto")
-    # the MPNN's cost as the probe measures it (tests/mlip/test_tile_choice.py tests the probe; it takes ~15 s here)
-    whole.model_cost = ModelCost(bytes_per_row=1424.0, bytes_per_edge=2275.0, fixed=336.0)
     state0 = whole.prepare(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
+    assert probed == [(wrapper, [29, 79], torch.device("cpu"))]  # measured once, on the rank's device
     assert whole.tile_choice.tiles == 1 and state0.tiles is None  # half the host's memory: the block fits
     tables = tables_budget(whole.budget, 0).cost(state0.plan.n_padded, state0.edges.n_edges).max()
     budget = tables + 0.75 * whole.tile_choice.predicted_bytes  # the tables and 3/4 of the block in one go
