@@ -92,7 +92,8 @@ def _run_model(args: argparse.Namespace) -> int:
                                            *_LIMITS) if getattr(args, k) is not None}
     config = model_run.ModelRunConfig(
         model=args.model, checkpoint=args.checkpoint, seed=args.seed, devices=args.devices,
-        exchange=args.exchange or ("per_layer" if args.tiles in (None, "1") else "deep_halo"), steps=args.steps, structure=args.structure,
+        exchange=args.exchange or ("per_layer" if args.tiles in (None, "1") else "deep_halo"),  # tiles: deep halo
+        steps=args.steps, structure=args.structure,
         check_every=args.check_every, dtype=args.dtype, rtol=args.rtol, langevin=args.langevin,
         trajectory=args.trajectory, thermo=args.thermo, tiles=model_run.parse_tiles(args.tiles),
         memory_budget=model_run.parse_bytes(args.memory_budget), **given,
