@@ -10,6 +10,8 @@ before the layer runs. Autograd runs the adjoint exchanges: every rank
 differentiates its own owned node energies, and the exchanges' backward programs
 sum the ghost contributions into their owners across ranks, so each rank's
 forces on its owned atoms are exact. Energy and virial are all-reduced.
+With `exchange="deep_halo"` and `tiles=`, a rank's block runs tile by tile (`mlip.torch_tiles`), and the
+halo's adjoint folds the tiles' ghost-row gradients into their owners once, after the last tile.
 
 Devices: every tensor of an evaluation lives on the rank's device, the front door's
 JAX device of this process as a torch device (`rank_device`: GPU `LOCAL_RANK` after
