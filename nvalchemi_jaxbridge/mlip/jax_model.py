@@ -45,7 +45,7 @@ from .model_layout import ModelState, active_edges, build_layout, halo_depth
 from .tiled import tile_arrays, tiled_node_energies
 from . import tile_choice
 from .memory_probe import ModelCost, probe_cost
-from .tiles import TilePlan, check_tiles
+from .tiles import TilePlan, check_tiles, refuse_tiles
 from .protocol import MessagePassingWrapper, numpy_dtype
 from .specs import RunSettings, cell_volume, check_model, run_settings, stress_wanted
 from .stages import Stages
@@ -116,6 +116,7 @@ class DistributedMLIP:
                     "its own exchanges); leave spec=None."
                 )
             kwargs.pop("spec", None)
+            refuse_tiles(kwargs, "DistributedMLIP")
             if kwargs.pop("cuda_graphs", "auto") not in ("auto", False):
                 raise ValueError(
                     "DistributedMLIP: an ML-IAP model runs its own forward eagerly (CUDA graphs record a wrapper's "

@@ -44,7 +44,7 @@ from .guards import explain
 from .memory import check_argument, model_budget, tables_budget
 from .memory_probe import ModelCost, probe_cost
 from .tile_choice import TileChoice, layout_tiles
-from .tiles import TilePlan, check_tiles
+from .tiles import TilePlan, check_tiles, refuse_tiles
 from .torch_tiles import rank_tiles, tiled_node_energies
 from .torch_device import _normalized, rank_device as rank_device, torch_device as torch_device
 from .torch_device import model_devices as model_devices, wrapper_modules as wrapper_modules
@@ -153,6 +153,7 @@ class TorchDistributedMLIP:
                     "TorchDistributedMLIP: an ML-IAP model takes no spec (it computes its own pair forces and asks "
                     "for its own exchanges); leave spec=None."
                 )
+            refuse_tiles(kwargs, "TorchDistributedMLIP")
             return TorchMLIAP(wrapper, **kwargs)
         return super().__new__(cls)
 

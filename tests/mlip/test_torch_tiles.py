@@ -159,3 +159,16 @@ def test_tiles_lower_the_peak_memory_of_an_evaluation():
         peaks.append(_peak_bytes(lambda: dm.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc,
                                                      state=state)))
     assert peaks[1] < 0.7 * peaks[0], peaks
+
+
+@pytest.mark.parametrize("door", ["DistributedMLIP", "TorchDistributedMLIP"])
+def test_an_mliap_model_refuses_tiles_and_a_budget_on_either_door(door):
+    from nvalchemi_jaxbridge import mlip
+    from nvalchemi_jaxbridge.demo.mliap_models import MLIAPLennardJones
+
+    cls = getattr(mlip, door)
+    with pytest.raises(ValueError, match=rf"{door}: tiles=2 with an ML-IAP model, which runs its own forward"):
+        cls(MLIAPLennardJones(), tiles=2)
+    with pytest.raises(ValueError, match=rf"{door}: memory_budget=8000000000.0 with an ML-IAP model"):
+        cls(MLIAPLennardJones(), memory_budget=8e9)
+    assert type(cls(MLIAPLennardJones(), tiles=1, memory_budget=None)).__name__ in ("JaxMLIAP", "TorchMLIAP")
