@@ -92,9 +92,11 @@ def _run_model(args: argparse.Namespace) -> int:
                                            *_LIMITS) if getattr(args, k) is not None}
     config = model_run.ModelRunConfig(
         model=args.model, checkpoint=args.checkpoint, seed=args.seed, devices=args.devices,
-        exchange=args.exchange or "per_layer", steps=args.steps, structure=args.structure,
+        exchange=args.exchange or ("per_layer" if args.tiles in (None, "1") else "deep_halo"),  # tiles: deep halo
+        steps=args.steps, structure=args.structure,
         check_every=args.check_every, dtype=args.dtype, rtol=args.rtol, langevin=args.langevin,
-        trajectory=args.trajectory, thermo=args.thermo, **given,
+        trajectory=args.trajectory, thermo=args.thermo, tiles=model_run.parse_tiles(args.tiles),
+        memory_budget=model_run.parse_bytes(args.memory_budget), **given,
     )
     result = _with_progress(args, config.steps, "layout",
                             lambda progress: model_run.run_model(config, progress=progress))
@@ -330,7 +332,14 @@ def _add_run_parser(groups: Any) -> None:
                            "(default none)")
     mlip.add_argument("--exchange", choices=("per_layer", "deep_halo"), default=None,
                       help="per_layer (halo of one cutoff, refresh between layers) or deep_halo "
-                           "(n_layers x cutoff, no exchange) (default per_layer)")
+                           "(n_layers x cutoff, no exchange) (default per_layer; deep_halo with --tiles)")
+    mlip.add_argument("--tiles", default=None, metavar="N|auto",
+                      help="evaluate each device's block in N tiles one after another (memory per device: one "
+                           "tile's), each with its own deep halo, same numbers; auto: the fewest that fit "
+                           "--memory-budget, from the model's measured memory (default 1)")
+    mlip.add_argument("--memory-budget", default=None, metavar="BYTES",
+                      help="bytes per device a layout may take, e.g. 8e9 or 8GiB (default half of each device's "
+                           "memory); a layout or tile that does not fit is refused before the run")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +32,50 @@ EXCHANGES = ("per_layer", "deep_halo")
 #: Options of the demo potentials (LJ / DSF) and of --op that a model run has no use for.
 DEMO_ONLY = ("system", "spec", "kernel", "op", "param")
 #: Options of a model run that the demo potentials have no use for.
-MODEL_ONLY = ("exchange", "checkpoint")
+MODEL_ONLY = ("exchange", "checkpoint", "tiles", "memory_budget")
+#: Unit suffixes `--memory-budget` takes (bytes per unit; case-insensitive).
+BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_tiles(text: str | None) -> int | str:
+    """`--tiles`: an int >= 1 or "auto" (None: 1).
+
+    Raises:
+        ValueError: anything else, naming the option and what it takes.
+    """
+    if text is None:
+        return 1
+    value = text.strip().lower()
+    if value == "auto":
+        return "auto"
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    raise ValueError(
+        f"run: --tiles must be an int >= 1 (tiles per device, evaluated one after another) or 'auto' (as many as "
+        f"--memory-budget needs), got {text!r}; e.g. --tiles 4 or --tiles auto."
+    )
+
+
+def parse_bytes(text: str | None) -> float | None:
+    """`--memory-budget`: bytes per device, as a number (`8e9`) or with a unit (`8GiB`, `500MB`); None: None.
+
+    Raises:
+        ValueError: not a number > 0 with one of `BYTE_UNITS`, naming the option.
+    """
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    try:
+        value = float(m.group(1)) * BYTE_UNITS[m.group(2) or "b"] if m else float("nan")
+    except (KeyError, ValueError):
+        value = float("nan")
+    if not (np.isfinite(value) and value > 0):
+        raise ValueError(
+            f"run: --memory-budget must be bytes per device > 0, as a number (8e9) or with a unit (B, kB, MB, GB, "
+            f"TB, KiB, MiB, GiB, TiB; e.g. 8GiB), got {text!r}."
+        )
+    return value
 
 
 def check_options(*, model_run: bool, given: dict[str, Any]) -> None:
@@ -79,6 +123,9 @@ class ModelRunConfig:
             last step); a check of the MD falls on each frame's step.
         thermo, thermo_every: CSV of step, time, temperature and energies every `thermo_every` steps (and the
             last step), likewise.
+        tiles: each device's block in this many tiles (`DistributedMLIP(tiles=)`, needs the deep halo), or
+            "auto" (the fewest that fit `memory_budget`, from the model's measured memory).
+        memory_budget: bytes per device (None: half of each device's memory).
     """
 
     model: str | None = "mpnn"
@@ -103,6 +150,8 @@ class ModelRunConfig:
     trajectory_every: int = 10
     thermo: str | None = None
     thermo_every: int = 10
+    tiles: int | str = 1
+    memory_budget: float | None = None
 
     def __post_init__(self):
         if self.model is None and self.checkpoint is None:
@@ -130,6 +179,13 @@ class ModelRunConfig:
             positive = name in ("dt", "langevin")
             if v is not None and not (np.isfinite(v) and (v > 0 if positive else v >= 0)):
                 raise ValueError(f"run: --{name} must be a finite number {'> 0' if positive else '>= 0'}, got {v!r}.")
+        if self.tiles != 1 and self.exchange != "deep_halo":
+            raise ValueError(
+                f"run: --tiles {self.tiles} evaluates each tile with its own deep halo, but --exchange is "
+                f"{self.exchange}; pass --exchange deep_halo with it (same numbers), or leave --tiles out."
+            )
+        if self.memory_budget is not None and not (np.isfinite(self.memory_budget) and self.memory_budget > 0):
+            raise ValueError(f"run: --memory-budget must be bytes per device > 0, got {self.memory_budget!r}.")
         if self.dtype not in (None, "float32", "float64"):
             raise ValueError(f"run: dtype must be 'float32' or 'float64', got {self.dtype!r}.")
         self.limits()
@@ -244,7 +300,15 @@ def run_model(config: ModelRunConfig, *, progress: Callable[..., Any] | None = N
     pos, z, cell, pbc = s.positions, s.atomic_numbers, s.cell, s.periodic
     n_dev = len(devices)
     mliap = is_mliap_model(wrapper)
-    model = DistributedMLIP(wrapper, n_devices=n_dev, exchange=config.exchange, skin=config.skin)
+    memory = {k: v for k, v in (("tiles", config.tiles), ("memory_budget", config.memory_budget))
+              if v not in (1, None)}
+    if mliap and memory:
+        raise ValueError(
+            f"run: {', '.join('--' + k.replace('_', '-') for k in memory)} apply to a message-passing model "
+            f"(mpnn, mace, a MessagePassingWrapper), but {config.file} holds an ML-IAP model, which runs its own "
+            "forward layer by layer; drop them."
+        )
+    model = DistributedMLIP(wrapper, n_devices=n_dev, exchange=config.exchange, skin=config.skin, **memory)
     state = model.prepare(pos, z, cell, pbc)
     say(0, phase="compiling")
     t0 = time.perf_counter()
@@ -295,7 +359,7 @@ def run_model(config: ModelRunConfig, *, progress: Callable[..., Any] | None = N
         halo_depth=float(model.halo_depth), skin=float(config.skin),
         energy=float(got["energy"]), energy_reference=float(want["energy"]), parity=parity(got, want),
         rtol=config.tolerance(dtype), reference=want["how"],
-        rows_per_device=tuple(state.rows_per_device()), other_exchange=other, other_rows_per_device=other_rows,
+        rows_per_device=memory_rows(model, state), other_exchange=other, other_rows_per_device=other_rows,
         compile_s=float(compile_s), steps=config.steps, dt=float(config.dt),
         thermostat="NVE (velocity Verlet)" if config.langevin is None else
         f"Langevin BAOAB, friction {config.langevin:g}/fs, {config.temperature:g} K",
@@ -306,8 +370,32 @@ def run_model(config: ModelRunConfig, *, progress: Callable[..., Any] | None = N
         rebuilds=int(traj["rebuilds"]), rebuild_steps=tuple(int(k) for k in traj["rebuild_steps"]),
         timing=tuple(traj["timing"]), wall_s=float(time.perf_counter() - t_start),
         steps_done=int(traj["steps"]), stop=None if watch.stop is None else watch.stop.to_dict(),
-        outputs=out.summary(),
+        outputs=out.summary(), tiles=config.tiles,
+        memory_budget_bytes=None if mliap else float(model.budget.bytes),
+        memory_model=None if mliap else "measured" if model.model_cost is not None else "budget",
     )
+
+
+def memory_rows(model: Any, state: Any) -> tuple[dict[str, Any], ...]:
+    """`state.rows_per_device()`, with each device's tiles, its largest tile (the one of the largest predicted
+    peak: its rows, edges and peak bytes) when the model runs in tiles or chose their count ("auto"); the peak
+    from the model's measured cost where it has one, else from the budget's cost per row and edge (what explicit
+    tiles were checked against)."""
+    rows = [dict(r) for r in state.rows_per_device()]
+    tiles, cost = getattr(state, "tiles", None), getattr(model, "model_cost", None)
+    if tiles is None and getattr(model, "tile_choice", None) is None:
+        return tuple(rows)
+    predict = cost.predict if cost is not None else model.budget.cost
+    for d, r in enumerate(rows):
+        if tiles is None:  # "auto" chose the block in one go
+            r.update(tiles=1, tile_rows=r["owned"] + r["ghost"], tile_edges=r["edges"])
+            r["predicted_bytes"] = float(predict(r["tile_rows"], r["tile_edges"]))
+        else:
+            peaks = predict(tiles.n_rows[d], tiles.n_edges[d])
+            t = int(np.argmax(peaks))
+            r.update(tile_rows=int(tiles.n_rows[d, t]), tile_edges=int(tiles.n_edges[d, t]),
+                     predicted_bytes=float(peaks[t]))
+    return tuple(rows)
 
 
 def _n_params(wrapper: Any) -> int:

@@ -251,6 +251,20 @@ def _rows_line(rows: Any) -> str:
     return f"{' '.join(cells)} (owned+ghost; {total} rows in all, {sum(r['edges'] for r in rows)} edges)"
 
 
+def _tiles_lines(r: Any) -> list[str]:
+    """Per device: tiles, the largest tile's rows and edges and its predicted peak (none without tiles)."""
+    rows = [row for row in r.rows_per_device if "tiles" in row]
+    if not rows:
+        return []
+    how = ("the model's memory measured by the probe" if r.memory_model == "measured" else
+           "the budget's cost per row and edge")
+    cells = " | ".join(f"{row['tiles']} x {row['tile_rows']:,} rows {row['tile_edges']:,} edges "
+                       f"{_fmt_bytes(row['predicted_bytes'])}" for row in rows)
+    asked = "auto: " if r.tiles == "auto" else ""
+    return [f"  tiles        {asked}{cells} (tiles x largest tile per device, its predicted peak)",
+            f"               predicted from {how}; budget {_fmt_bytes(r.memory_budget_bytes)} per device"]
+
+
 def format_model_run(report: Any) -> str:
     """The human report of `model_run.run_model`."""
     r, p = report, report.parity
@@ -264,6 +278,7 @@ def format_model_run(report: Any) -> str:
            else f" ({r.n_layers} x cutoff; no exchange between layers)"),
         f"  rows/device  first plan: {_rows_line(r.rows_per_device)}",
         f"               {r.other_exchange} would need {_rows_line(r.other_rows_per_device)}",
+        *_tiles_lines(r),
         f"  parity       vs {r.reference}; tolerance {r.rtol:g} (relative to the reference's largest value)",
         f"               energy   {r.energy:.10f} eV vs {r.energy_reference:.10f} eV: diff {p['energy_max_abs']:.3e} eV, "
         f"rel {p['energy_rel']:.3e}  {flag('energy_rel')}",

@@ -160,6 +160,9 @@ class ModelRunReport:
     steps_done: int = 0  # MD steps run (fewer than `steps` when a guard stopped the run)
     stop: dict[str, Any] | None = None  # why the run stopped early (`guards.Stop.to_dict()`), or None
     outputs: dict[str, Any] = dataclasses.field(default_factory=dict)  # {"trajectory": (path, frames), ...}
+    tiles: int | str = 1  # tiles per device as asked (--tiles): an int, or "auto"
+    memory_budget_bytes: float | None = None  # per device
+    memory_model: str | None = None  # where rows' predicted_bytes come from: "measured" (probe) or "budget"
 
     @property
     def ok(self) -> bool:

@@ -52,6 +52,9 @@ class JaxBridgeCalculator(Calculator):
         >>> atoms.calc = JaxBridgeCalculator(DistributedMLIP(MPNNWrapper(MPNN([29])), n_devices=8))
         >>> atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress()
 
+        A system larger than a device's memory: a tiled model as it is, same numbers
+        (`DistributedMLIP(wrapper, n_devices=8, exchange="deep_halo", tiles="auto")`, see `mlip.tiles`).
+
         One kernel of a spec: `JaxBridgeCalculator(KernelPotential(spec, args=..., cutoff=6.0))`.
     """
 

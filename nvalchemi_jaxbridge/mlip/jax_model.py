@@ -40,12 +40,12 @@ from ..lower.tables import place
 from ..spec import DistributionSpec
 from .edges import EdgePlan
 from .guards import explain
-from .memory import check_tiles_fit, model_budget, tables_budget
+from .memory import model_budget, tables_budget
 from .model_layout import ModelState, active_edges, build_layout, halo_depth
 from .tiled import tile_arrays, tiled_node_energies
 from . import tile_choice
 from .memory_probe import ModelCost, probe_cost
-from .tiles import TilePlan, check_tiles
+from .tiles import TilePlan, check_tiles, refuse_tiles
 from .protocol import MessagePassingWrapper, numpy_dtype
 from .specs import RunSettings, cell_volume, check_model, run_settings, stress_wanted
 from .stages import Stages
@@ -116,6 +116,7 @@ class DistributedMLIP:
                     "its own exchanges); leave spec=None."
                 )
             kwargs.pop("spec", None)
+            refuse_tiles(kwargs, "DistributedMLIP")
             if kwargs.pop("cuda_graphs", "auto") not in ("auto", False):
                 raise ValueError(
                     "DistributedMLIP: an ML-IAP model runs its own forward eagerly (CUDA graphs record a wrapper's "
@@ -223,36 +224,16 @@ class DistributedMLIP:
     def _tiles(self, plan: HaloPlan, edges: EdgePlan, positions: Any, numbers: np.ndarray, keep: TilePlan | None
                ) -> TilePlan | None:
         """The block's tiles (None without tiles), with `keep`'s capacities where they suffice."""
-        if self.tiles == 1:
-            return None
-        pos = np.asarray(positions, dtype=np.float64)
-        if self.tiles == "auto":
-            return self._auto_tiles(plan, edges, pos, numbers, keep)
-        if keep is not None and keep.n_tiles == self.tiles:
-            tiles = keep.rebuild(plan, edges, pos, self.wrapper.n_layers)
-        else:
-            tiles = TilePlan.build(plan, edges, pos, n_tiles=self.tiles, n_layers=self.wrapper.n_layers,
-                                   headroom=self.headroom)
-        check_tiles_fit(self.budget, tiles, f"{self.wrapper.name} (deep_halo, {self.tiles} tiles per device)")
-        return tiles
+        def cost() -> ModelCost:
+            if self.model_cost is None:  # measured once per model, on its device (mlip.memory_probe)
+                gpu = self.mesh.devices.flat[0].platform == "gpu"
+                self.model_cost = probe_cost(self.wrapper, np.unique(numbers), "cuda" if gpu else "cpu")
+            return self.model_cost
 
-    def _auto_tiles(self, plan: HaloPlan, edges: EdgePlan, pos: np.ndarray, numbers: np.ndarray,
-                    keep: TilePlan | None) -> TilePlan | None:
-        """`tiles="auto"`: `keep`'s tile count while its largest tile still fits, else the fewest that fit."""
-        if self.model_cost is None:  # measured once per model, on its device (mlip.memory_probe)
-            gpu = self.mesh.devices.flat[0].platform == "gpu"
-            self.model_cost = probe_cost(self.wrapper, np.unique(numbers), "cuda" if gpu else "cpu")
-        cost, n_layers = self.model_cost, self.wrapper.n_layers
-        where = f"{self.wrapper.name} (deep_halo, tiles='auto')"
-        if keep is not None:
-            again = keep.rebuild(plan, edges, pos, n_layers)
-            held = float(tables_budget(self.budget, 0).cost(plan.n_padded, edges.n_edges).max())
-            if cost.predict(again.n_rows, again.n_edges).max() <= self.budget.bytes - held:
-                return again
-        self.tile_choice, tiles = tile_choice.choose(
-            cost, self.budget, plan.n_padded, edges.n_edges, plan.n_owned,
-            lambda n: TilePlan.build(plan, edges, pos, n_tiles=n, n_layers=n_layers, headroom=self.headroom), where,
-            held=float(tables_budget(self.budget, 0).cost(plan.n_padded, edges.n_edges).max()))
+        tiles, choice = tile_choice.layout_tiles(
+            self.tiles, plan, edges, positions, n_layers=self.wrapper.n_layers, headroom=self.headroom,
+            budget=self.budget, keep=keep, cost=cost, name=self.wrapper.name)
+        self.tile_choice = choice or self.tile_choice
         return tiles
 
     def _state(self, plan: HaloPlan, edges: EdgePlan, attrs: np.ndarray, numbers: np.ndarray, cell: np.ndarray,

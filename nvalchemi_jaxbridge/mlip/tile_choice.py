@@ -86,3 +86,40 @@ def choose(cost: ModelCost, budget: MemoryBudget, block_rows: np.ndarray, block_
         f"{cost.bytes_per_edge:,.0f} B per edge, measured); nothing large was allocated. Fix: a larger "
         f"memory_budget= where the memory is there, or more devices."
     )
+
+
+def layout_tiles(tiles: int | str, plan: Any, edges: Any, positions: np.ndarray, *, n_layers: int, headroom: float,
+                 budget: MemoryBudget, keep: Any, cost: Callable[[], ModelCost], name: str
+                 ) -> tuple[Any, TileChoice | None]:
+    """A layout's tiles for `tiles=` (None for 1), and the choice made for "auto" (None when none was made now).
+
+    Both front doors call it with a deep-halo block (`plan`, `edges`) and its `positions`. `keep`: the
+    previous layout's `TilePlan` (its capacities kept where they suffice; with "auto", its tile count while
+    its largest tile still fits). `cost()`: the model's measured `ModelCost` (asked for only with "auto").
+
+    Raises:
+        LayoutBudgetError: explicit tiles whose largest costs more than `budget`, or no tile count that fits.
+    """
+    from .memory import check_tiles_fit, tables_budget
+    from .tiles import TilePlan
+
+    if tiles == 1:
+        return None, None
+    pos = np.asarray(positions, dtype=np.float64)
+
+    def build(n: int) -> Any:
+        return TilePlan.build(plan, edges, pos, n_tiles=n, n_layers=n_layers, headroom=headroom)
+
+    if tiles != "auto":
+        out = keep.rebuild(plan, edges, pos, n_layers) if keep is not None and keep.n_tiles == tiles else build(tiles)
+        check_tiles_fit(budget, out, f"{name} (deep_halo, {tiles} tiles per device)")
+        return out, None
+    model_cost = cost()
+    held = float(tables_budget(budget, 0).cost(plan.n_padded, edges.n_edges).max())
+    if keep is not None:
+        again = keep.rebuild(plan, edges, pos, n_layers)
+        if model_cost.predict(again.n_rows, again.n_edges).max() <= budget.bytes - held:
+            return again, None
+    choice, out = choose(model_cost, budget, plan.n_padded, edges.n_edges, plan.n_owned, build,
+                         f"{name} (deep_halo, tiles='auto')", held=held)
+    return out, choice

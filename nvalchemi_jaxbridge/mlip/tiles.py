@@ -140,6 +140,18 @@ def check_tiles(tiles: object, exchange: str, where: str) -> int | str:
     return int(tiles)
 
 
+def refuse_tiles(kwargs: dict, where: str) -> None:
+    """Take `tiles` and `memory_budget` out of an ML-IAP model's `kwargs`, refusing any but their defaults."""
+    tiles, budget = kwargs.pop("tiles", 1), kwargs.pop("memory_budget", None)
+    given = [f"tiles={tiles!r}"] * (tiles != 1) + [f"memory_budget={budget!r}"] * (budget is not None)
+    if given:
+        raise ValueError(
+            f"{where}: {', '.join(given)} with an ML-IAP model, which runs its own forward layer by layer with its "
+            "own exchanges; tiles and the memory budget apply to a MessagePassingWrapper (the model as one op per "
+            "tile). Leave them out, or wrap the model's layers in a MessagePassingWrapper."
+        )
+
+
 def _capacities(rows: int, edges: int, headroom: float, keep: TilePlan | None, grow: bool
                 ) -> tuple[int, int, tuple[Growth, ...]]:
     """Tile row and edge capacities: fresh ones, or `keep`'s where they fit (grown, and logged, where not)."""

@@ -10,6 +10,8 @@ before the layer runs. Autograd runs the adjoint exchanges: every rank
 differentiates its own owned node energies, and the exchanges' backward programs
 sum the ghost contributions into their owners across ranks, so each rank's
 forces on its owned atoms are exact. Energy and virial are all-reduced.
+With `exchange="deep_halo"` and `tiles=`, a rank's block runs tile by tile (`mlip.torch_tiles`), and the
+halo's adjoint folds the tiles' ghost-row gradients into their owners once, after the last tile.
 
 Devices: every tensor of an evaluation lives on the rank's device, the front door's
 JAX device of this process as a torch device (`rank_device`: GPU `LOCAL_RANK` after
@@ -24,7 +26,6 @@ not even then).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,13 @@ from ..torch.layer_exchange import fold_halo, refresh_halo
 from . import contract
 from .edges import EdgePlan
 from .guards import explain
-from .memory import check_argument, model_budget
+from .memory import check_argument, model_budget, tables_budget
+from .memory_probe import ModelCost, probe_cost
+from .tile_choice import TileChoice, layout_tiles
+from .tiles import TilePlan, check_tiles, refuse_tiles
+from .torch_tiles import rank_tiles, tiled_node_energies
+from .torch_device import _normalized, rank_device as rank_device, torch_device as torch_device
+from .torch_device import model_devices as model_devices, wrapper_modules as wrapper_modules
 from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, like, numpy_dtype, with_edge_features
 from .specs import RunSettings, as_mlip_spec, cell_volume, check_model, run_settings, stress_wanted
 from .state_check import fingerprint_change, needs_replan, new_token, state_for_call, wrapper_fingerprint
@@ -87,54 +94,11 @@ class TorchState:
     cell: np.ndarray
     periodic: tuple[bool, bool, bool]
     fingerprint: Any = None  # state_check.Fingerprint: the driver and the model as they were at prepare
+    tiles: TilePlan | None = None  # the block's tiles (None: the block in one go)
     # The layout's static block inputs on a device (parked row, edges, shifts, node attributes), by
     # (device, dtype): uploaded once per layout, not once per evaluation. A rebuilt state starts empty.
     uploaded: dict[tuple, tuple[torch.Tensor, ...]] = dataclasses.field(
         default_factory=dict, init=False, repr=False)
-
-
-def rank_device() -> torch.device:
-    """This process's device on the torch front door, as a torch device (`cuda:K` or `cpu`).
-
-    The front door's JAX device of this rank (`front_door_mesh`: GPU `LOCAL_RANK` after
-    `initialize()` on a GPU machine). Queries JAX's devices, so call it after `initialize()`.
-    """
-    import jax
-
-    return torch_device(F.front_door_mesh().devices.flat[jax.process_index()])
-
-
-def torch_device(device: Any) -> torch.device:
-    """The torch device of a JAX device (`cuda:<local id>` for a GPU, else `cpu`)."""
-    if device.platform == "gpu":
-        return torch.device("cuda", device.local_hardware_id)
-    return torch.device("cpu")
-
-
-def wrapper_modules(wrapper: Any) -> list[torch.nn.Module]:
-    """The torch modules of a wrapper, whose parameters and buffers must be on the rank's device.
-
-    The wrapper itself if it is a `torch.nn.Module`, else each of its attributes (`vars(wrapper)`)
-    that is one (`MPNNWrapper.model`, `MACEWrapper.model`, a user wrapper's `self.net`). Modules
-    kept elsewhere (in a list, a dict, a closure) are not found, and nothing of them is checked.
-    """
-    if isinstance(wrapper, torch.nn.Module):
-        return [wrapper]
-    return [v for v in vars(wrapper).values() if isinstance(v, torch.nn.Module)]
-
-
-def model_devices(wrapper: Any) -> set[torch.device]:
-    """The devices of the wrapper's parameters and buffers (empty if it has none that are found)."""
-    mods = wrapper_modules(wrapper)
-    return {t.device for m in mods for t in itertools.chain(m.parameters(), m.buffers())}
-
-
-def _normalized(device: Any) -> torch.device:
-    """`device` as a torch device with its index (`"cuda"` is the current CUDA device)."""
-    d = torch.device(device)
-    if d.type == "cuda" and d.index is None:
-        d = torch.device("cuda", torch.cuda.current_device())
-    return d
 
 
 class TorchDistributedMLIP:
@@ -146,6 +110,9 @@ class TorchDistributedMLIP:
         exchange: "per_layer" or "deep_halo" (as for `DistributedMLIP`).
         skin, headroom, memory_budget: as for `DistributedMLIP` (the default budget shares the host's memory
             between the `LOCAL_WORLD_SIZE` processes of a CPU host).
+        tiles: as for `DistributedMLIP` (with `exchange="deep_halo"`): each rank's block in this many tiles, each
+            tile's forward and backward in its turn (`mlip.torch_tiles`), or "auto" (the fewest that fit
+            `memory_budget`, from the model's memory measured once on the rank's device); same numbers.
         device: where this rank's model runs. None (default): the model stays where it is and
             must already be on the rank's device (`rank_device()`: `cuda:LOCAL_RANK` after
             `initialize()` on a GPU machine, else `cpu`). A device (`"cuda"` is the current
@@ -186,13 +153,17 @@ class TorchDistributedMLIP:
                     "TorchDistributedMLIP: an ML-IAP model takes no spec (it computes its own pair forces and asks "
                     "for its own exchanges); leave spec=None."
                 )
+            refuse_tiles(kwargs, "TorchDistributedMLIP")
             return TorchMLIAP(wrapper, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, wrapper: MessagePassingWrapper, *, spec: Any = None, exchange: str = "per_layer",
-                 skin: float = 0.5, headroom: float = 1.2, device: Any = None, memory_budget: float | None = None
-                 ) -> None:
+                 skin: float = 0.5, headroom: float = 1.2, device: Any = None, memory_budget: float | None = None,
+                 tiles: int | str = 1) -> None:
         check_model(wrapper, exchange, skin, "TorchDistributedMLIP")
+        self.tiles = check_tiles(tiles, exchange, "TorchDistributedMLIP")
+        self.model_cost: ModelCost | None = None  # tiles="auto": the model's measured memory cost
+        self.tile_choice: TileChoice | None = None  # and the last layout's choice
         self.wrapper, self.exchange, self.skin, self.headroom = wrapper, exchange, float(skin), float(headroom)
         self.spec = as_mlip_spec(wrapper.distribution_spec() if spec is None else spec)
         self.settings: RunSettings = run_settings(self.spec, per_layer=exchange == "per_layer")
@@ -298,12 +269,27 @@ class TorchDistributedMLIP:
 
         self._sync()
         mesh = F.front_door_mesh()
-        budget = model_budget(self.memory_budget, self.exchange, [mesh.devices.flat[jax.process_index()]],
-                              "TorchDistributedMLIP")
+        self.budget = model_budget(self.memory_budget, self.exchange, [mesh.devices.flat[jax.process_index()]],
+                                   "TorchDistributedMLIP")
         plan, edges, numbers, cell, periodic = build_layout(
-            self.wrapper, self.exchange, positions, numbers, cell, pbc,
-            n_devices=mesh.devices.size, skin=self.skin, headroom=self.headroom, budget=budget)
-        return TorchState(plan, edges, numbers, cell, periodic, self._fingerprint)
+            self.wrapper, self.exchange, positions, numbers, cell, pbc, n_devices=mesh.devices.size, skin=self.skin,
+            headroom=self.headroom, budget=self.budget if self.tiles == 1 else tables_budget(self.budget, self.tiles))
+        tiles = self._tiles(plan, edges, positions, numbers, None)
+        return TorchState(plan, edges, numbers, cell, periodic, self._fingerprint, tiles)
+
+    def _tiles(self, plan: HaloPlan, edges: EdgePlan, positions: Any, numbers: np.ndarray, keep: TilePlan | None
+               ) -> TilePlan | None:
+        """The block's tiles (None without tiles); the same on every rank (every rank plans every device)."""
+        def cost() -> ModelCost:
+            if self.model_cost is None:  # measured once per model, on the rank's device (mlip.memory_probe)
+                self.model_cost = probe_cost(self.wrapper, np.unique(numbers), self.device)
+            return self.model_cost
+
+        tiles, choice = layout_tiles(self.tiles, plan, edges, positions, n_layers=self.wrapper.n_layers,
+                                     headroom=self.headroom, budget=self.budget, keep=keep, cost=cost,
+                                     name=self.wrapper.name)
+        self.tile_choice = choice or self.tile_choice
+        return tiles
 
     def update(self, state: TorchState, positions: Any) -> TorchState:
         """`state` if it still holds for `positions` (an atom re-wrapped by a lattice vector has not moved),
@@ -315,7 +301,9 @@ class TorchDistributedMLIP:
         if not needs_replan(state, self._fingerprint, pos):
             return state
         plan = state.plan.rebuild(pos)
-        return dataclasses.replace(state, plan=plan, edges=state.edges.rebuild(plan, pos))
+        edges = state.edges.rebuild(plan, pos)
+        tiles = self._tiles(plan, edges, pos, state.numbers, state.tiles)
+        return dataclasses.replace(state, plan=plan, edges=edges, tiles=tiles)
 
     # ---------------------------------------------------------------- evaluation
 
@@ -355,12 +343,16 @@ class TorchDistributedMLIP:
             sym = (strain + strain.T) / 2
             block = block + block @ sym
             shift = shift + shift @ sym  # lattice shifts follow the strained cell
-        graph = self._graph(block, attrs, edges, shift, n_receivers=n_own if self.exchange == "per_layer" else None)
         registry = AdapterRegistry()
         installed = self.distribution_spec().distribution
         registry.install((*installed.custom_ops, *installed.third_party_helpers))
         try:
-            node_e = self.model(graph)
+            if state.tiles is not None:  # the deep halo's block, tile by tile
+                node_e = tiled_node_energies(self.model, block, attrs, shift, self._kept(block, edges, shift),
+                                             self._rank_tiles(state, ctx, dev))
+            else:
+                node_e = self.model(self._graph(block, attrs, edges, shift,
+                                                n_receivers=n_own if self.exchange == "per_layer" else None))
             partial = node_e[:n_own].sum()
             wrt = (pos_owned,) if strain is None else (pos_owned, strain)
             g_pos, *g_strain = torch.autograd.grad(partial, wrt, allow_unused=True)
@@ -415,11 +407,23 @@ class TorchDistributedMLIP:
         vectors; `n_receivers`: the owned rows, the only receivers with per-layer exchange (None:
         every row).
         """
-        with torch.no_grad():
-            d = block[ei[1]] - block[ei[0]] + shift
-            keep = (d * d).sum(1) < self.wrapper.cutoff**2
+        keep = self._kept(block, ei, shift)
         ei = ei[:, keep].contiguous()
         return BlockGraph(block, attrs, ei, shift[keep], n_receivers)
+
+    def _kept(self, block: torch.Tensor, ei: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """`(E,)` True on the block edges within the cutoff at these positions."""
+        with torch.no_grad():
+            d = block[ei[1]] - block[ei[0]] + shift
+            return (d * d).sum(1) < self.wrapper.cutoff**2
+
+    @staticmethod
+    def _rank_tiles(state: TorchState, ctx: Any, device: torch.device) -> Any:
+        """This rank's tiles as index tensors on `device` (uploaded once per layout, kept in `state.uploaded`)."""
+        key = ("tiles", ctx.rank, device)
+        if key not in state.uploaded:
+            state.uploaded[key] = rank_tiles(state.tiles, ctx.rank, ctx.n_owned + ctx.n_ghost, device)
+        return state.uploaded[key]
 
     @staticmethod
     def _sum(ctx: Any, x: torch.Tensor) -> torch.Tensor:

@@ -131,6 +131,37 @@ def test_mpnn_stress_energies_through_distributed_mlip():
     assert atoms.calc.engine.traces == 1  # stress, forces and energies came from the one call
 
 
+@pytest.mark.slow
+def test_a_tiled_potential_gives_the_untiled_numbers():
+    """`DistributedMLIP(exchange="deep_halo", tiles=3)` under the calculator (2 devices, triclinic, 108 atoms): energy,
+    forces, stress and per-atom energies those of the same model without tiles, also after the layout is
+    re-planned (an atom moved past skin/2: the tiles are rebuilt with the block)."""
+    from nvalchemi_jaxbridge.mlip import DistributedMLIP
+    from tests.mlip import cases
+
+    w = cases.wrapper("mpnn")
+    base = cases.structure("small").copy()
+    pair = []
+    for tiles in (1, 3):
+        atoms = base.copy()
+        atoms.calc = JaxBridgeCalculator(DistributedMLIP(w, n_devices=2, exchange="deep_halo", tiles=tiles))
+        pair.append(atoms)
+    moved = base.positions + np.random.default_rng(1).normal(scale=0.2, size=base.positions.shape)
+    for step in range(2):
+        if step:
+            for atoms in pair:
+                atoms.positions = moved
+        want, got = ({"energy": a.get_potential_energy(), "forces": a.get_forces(), "stress": a.get_stress(),
+                      "energies": a.get_potential_energies()} for a in pair)
+        assert abs(got["energy"] - want["energy"]) <= 1e-9 * abs(want["energy"])
+        np.testing.assert_allclose(got["forces"], want["forces"], rtol=0, atol=1e-8)
+        np.testing.assert_allclose(got["stress"], want["stress"], rtol=0, atol=1e-9)
+        np.testing.assert_allclose(got["energies"], want["energies"], rtol=0, atol=1e-9)
+    engine = pair[1].calc.engine
+    assert engine.rebuilds == 1 and engine.state.tiles.n_tiles == 3
+    assert np.abs(want["forces"]).max() > 1e-3
+
+
 def test_langevin_runs():
     """A few Langevin steps: finite energies, every atom still there, the layout reused."""
     from ase.md.langevin import Langevin

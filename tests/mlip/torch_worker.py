@@ -2,7 +2,7 @@
 
     python -m nvalchemi_jaxbridge.torch.launch -n 2 tests/mlip/torch_worker.py OUT_DIR [CASES]
 
-CASES is a comma-separated list of `model:structure:exchange` (default: `RUNS[world size]`).
+CASES is a comma-separated list of `model:structure:exchange[:tiles]` (default: `RUNS[world size]`).
 Writes OUT_DIR/rank<k>.json with what this rank computed for each case; the
 pytest side (tests/mlip/test_torch_door.py) compares it against a single-device
 reference. Nothing here asserts results. In the suite it runs inside the shared
@@ -22,7 +22,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 ALL_RUNS = {  # both exchanges, both world sizes; MACE once, on 2 ranks (importing and running it dominates a
     # launch, and 4 ranks share 2 cores in CI; the JAX door runs MACE on 4 and 8 devices)
-    2: ["mpnn:triclinic:per_layer", "mpnn:slab:deep_halo", "mace:slab:per_layer"],
+    # "half:deep_halo:3": each rank's block in 3 tiles, rank 1's owning no atom (mlip/torch_tiles.py)
+    2: ["mpnn:triclinic:per_layer", "mpnn:slab:deep_halo", "mace:slab:per_layer", "mpnn:half:deep_halo:3"],
     4: ["mpnn:half:per_layer", "mpnn:cubic:deep_halo"],
 }
 HAVE_MACE = importlib.util.find_spec("mace") is not None
@@ -69,13 +70,13 @@ def main() -> None:
         _share_mace(out_dir, info.rank)
     results = {}
     for case in names:
-        model_name, structure, exchange = case.split(":")
+        model_name, structure, exchange, *tiles = case.split(":")
         wrapper = cases.wrapper(model_name)
         if isinstance(wrapper, MessagePassingWrapper):  # the same wrapper, noting where each stage's inputs are
             wrapper = recording(wrapper)
         atoms = cases.structure(structure)
         t0 = time.perf_counter()
-        dm = TorchDistributedMLIP(wrapper, exchange=exchange)
+        dm = TorchDistributedMLIP(wrapper, exchange=exchange, tiles=int(tiles[0]) if tiles else 1)
         out = dm.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
         results[case] = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in out.items()}
         if hasattr(wrapper, "seen"):
