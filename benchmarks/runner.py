@@ -172,7 +172,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--budget-s", type=float, default=None, help="time budget of each question (default: its own)")
     run.add_argument("--memory-budget", default=None, metavar="BYTES",
                      help="memory budget per device where a question takes one (tiles), K/M/G suffixes (x1024), "
-                          "e.g. 60G (default: the library's, half of each device's memory)")
+                          "e.g. 60G (default: the library's, 80 % of each device's memory with tiles='auto')")
     run.add_argument("--label", default="", help="a tag for the rows (e.g. the version measured)")
     run.add_argument("--in-process", action="store_true",
                      help="run the questions in this process (default: each in its own, under a timeout)")

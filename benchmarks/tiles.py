@@ -56,7 +56,7 @@ def run(rep: cm.Report, opt) -> None:
     budget = opt.memory_budget
     rep.setting("tiles", "DistributedMLIP(n_devices=1, exchange='deep_halo', tiles='auto', skin=0, headroom=1, "
                 "cuda_graphs=False); memory budget " + (f"{cm.human_bytes(budget)} per device" if budget else
-                                                       "the library's default (half the device's memory)") +
+                                                       "the library's default for tiles='auto' (80 % of the device's memory)") +
                 f"; E+F median of {rounds} rounds after the first call (2 where a call takes > 10 s); native up to "
                 "its first out-of-memory")
     table = rep.table("MACE energy + forces in tiles on one device, native beside it", [

@@ -16,7 +16,8 @@ moves it to its device (`TorchDistributedMLIP(..., device=...)`) and checks:
    same device (`MPNN.forward` on a full neighbour list; MACE's own `forward` with its own neighbour list);
 3. they equal the JAX front door's (`DistributedMLIP` on this rank's device alone, in the same process);
 4. `evaluate(as_tensors=True)` gives torch tensors on the rank's device, with the same numbers;
-5. on a GPU, a model left on the CPU is refused with the error naming both devices.
+5. on a GPU, a model left on the CPU is refused with the error naming both devices;
+6. with the deep halo, the same in `--tiles` tiles per rank (`tiles=`) equals the door without tiles, on the device.
 
 Prints one PASS/FAIL line per check (prefixed by the rank under the launcher), a timing line per case (median
 of warm evaluations: torch door, JAX door, the model's own forward), and `PASS` / `FAIL` at the end; exits 0 / 1.
@@ -129,6 +130,8 @@ def main() -> int:
     p.add_argument("--max-ell", type=int, default=3, help="MACE's edge harmonics degree")
     p.add_argument("--repeats", type=int, default=3, help="warm evaluations timed per case (0: no timing)")
     p.add_argument("--cases", default="", help="comma-separated case names to run (default: all)")
+    p.add_argument("--tiles", type=int, default=3, help="deep-halo cases: also in this many tiles per rank, "
+                   "against the untiled door (0: not)")
     a = p.parse_args()
 
     from nvalchemi_jaxbridge.torch import distributed
@@ -235,6 +238,15 @@ def main() -> int:
                 return _compare(host, got, dtype)
 
             checks.run(f"{tag}: as_tensors=True gives tensors on {device}, same numbers", tensors)
+            if exchange == "deep_halo" and a.tiles > 1:
+                tiled_probe = recording(wrapper)
+                tdm = TorchDistributedMLIP(tiled_probe, exchange=exchange, device=device, tiles=a.tiles)
+                tiled = checks.run(f"{tag}: in {a.tiles} tiles per rank, evaluates", lambda: tdm.evaluate(
+                    atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc))
+                if tiled is not None:
+                    checks.run(f"{tag}: {a.tiles} tiles == no tiles on {device}", lambda: _compare(tiled, got, dtype))
+                    checks.run(f"{tag}: {a.tiles} tiles: model and every stage tensor on {device}",
+                               lambda: on_device(tiled_probe))
             if a.repeats > 0 and jgot is not None:
                 native = lambda: own_forward(wrapper, atoms, device)  # noqa: E731
                 t_torch = _median_s(run_torch, a.repeats, sync)

@@ -339,7 +339,8 @@ def _add_run_parser(groups: Any) -> None:
                            "--memory-budget, from the model's measured memory (default 1)")
     mlip.add_argument("--memory-budget", default=None, metavar="BYTES",
                       help="bytes per device a layout may take, e.g. 8e9 or 8GiB (default half of each device's "
-                           "memory); a layout or tile that does not fit is refused before the run")
+                           "memory, 80 %% with --tiles auto); a layout or tile that does not fit is refused "
+                           "before the run")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

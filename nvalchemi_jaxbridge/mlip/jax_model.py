@@ -93,8 +93,8 @@ class DistributedMLIP:
             and replayed from then on; a model that cannot be recorded (it synchronises with the host,
             or a shape depends on values) runs eagerly, with one logged warning saying why; the numbers
             are the same either way.
-        memory_budget: bytes one device's layout may take (None: half of each device's memory,
-            `mlip.memory`); a layout whose estimated or counted rows and edges cost more is refused
+        memory_budget: bytes one device's layout may take (None: half of each device's memory, 80 % with
+            tiles="auto", whose cost is measured; `mlip.memory`); a layout whose estimated or counted rows and edges cost more is refused
             before it is built (`LayoutBudgetError`, with the numbers and the fix).
 
     Example:
@@ -138,7 +138,8 @@ class DistributedMLIP:
         self.settings: RunSettings = run_settings(wrapper.distribution_spec() if spec is None else spec,
                                                   per_layer=exchange == "per_layer")
         self.mesh = auto_mesh(mesh) if mesh is not None else make_mesh(n_devices)
-        self.budget = model_budget(memory_budget, exchange, list(self.mesh.devices.flat), "DistributedMLIP")
+        self.budget = model_budget(memory_budget, exchange, list(self.mesh.devices.flat), "DistributedMLIP",
+                                   measured=self.tiles == "auto")
         self._call_path, self._cuda_graphs, self._token = call_path, cuda_graphs, new_token()
         #: every capacity growth of this model's layouts (logged once at INFO; a warning past a few)
         self.growth_log = GrowthLog("DistributedMLIP")

@@ -1,7 +1,8 @@
 """A model's layout budget: how much memory one device's block may take, and the estimate checked before building.
 
 `memory_budget=` of `DistributedMLIP` / `TorchDistributedMLIP` is in bytes per device. The default
-is `budget.DEFAULT_FRACTION` (half) of what each device has: a GPU's memory limit, or on the CPU
+is `budget.DEFAULT_FRACTION` (half) of what each device has, or `budget.MEASURED_FRACTION` (80 %) with
+`tiles="auto"`, whose model cost is measured: a GPU's memory limit, or on the CPU
 the host's available memory shared by its devices (virtual CPU devices of one process, or the
 processes of one host on the PyTorch door, `LOCAL_WORLD_SIZE`). The layout is refused (with its
 numbers and the fix) when its estimate, its rows, or its edges would cost more
@@ -44,8 +45,9 @@ def check_argument(memory_budget: Any, where: str) -> None:
 
 
 def model_budget(memory_budget: Any, exchange: str, devices: Sequence[Any], where: str,
-                 processes_per_host: int | None = None) -> B.MemoryBudget:
-    """The budget of a model's layouts: `memory_budget` bytes per device, or the default share of `devices`' memory.
+                 processes_per_host: int | None = None, *, measured: bool = False) -> B.MemoryBudget:
+    """The budget of a model's layouts: `memory_budget` bytes per device, or the default share of `devices`' memory
+    (`measured`: the model's cost is measured, `tiles="auto"`, and the larger share applies).
 
     Raises:
         ValueError: `memory_budget` is not a number > 0 (or None).
@@ -54,11 +56,12 @@ def model_budget(memory_budget: Any, exchange: str, devices: Sequence[Any], wher
     if processes_per_host is None:
         processes_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     default = memory_budget is None
-    value = B.DEFAULT_FRACTION * device_bytes(devices, processes_per_host) if default else float(memory_budget)
+    fraction = B.MEASURED_FRACTION if measured else B.DEFAULT_FRACTION
+    value = fraction * device_bytes(devices, processes_per_host) if default else float(memory_budget)
     fix = ("use exchange='per_layer' (a halo of one cutoff instead of n_layers cutoffs, same numbers), more "
            "devices, " if exchange == "deep_halo" else "use more devices, ")
     fix += (f"or, where the memory is there, a larger memory_budget= (bytes per device; "
-            f"{'the default is half of each device' + chr(39) + 's memory' if default else 'it was given'})")
+            f"{f'the default is {fraction:.0%} of each device' + chr(39) + 's memory' if default else 'it was given'})")
     return B.MemoryBudget(value, fix)
 
 

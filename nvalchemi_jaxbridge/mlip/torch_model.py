@@ -270,7 +270,7 @@ class TorchDistributedMLIP:
         self._sync()
         mesh = F.front_door_mesh()
         self.budget = model_budget(self.memory_budget, self.exchange, [mesh.devices.flat[jax.process_index()]],
-                                   "TorchDistributedMLIP")
+                                   "TorchDistributedMLIP", measured=self.tiles == "auto")
         plan, edges, numbers, cell, periodic = build_layout(
             self.wrapper, self.exchange, positions, numbers, cell, pbc, n_devices=mesh.devices.size, skin=self.skin,
             headroom=self.headroom, budget=self.budget if self.tiles == 1 else tables_budget(self.budget, self.tiles))
