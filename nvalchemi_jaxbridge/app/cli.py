@@ -359,8 +359,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except _user_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}{_in_cli_words(e)}", file=sys.stderr)
         return 2
+
+
+def _in_cli_words(e: BaseException) -> str:
+    """For a layout refused by its memory budget, the options that its fix names, as this command spells them."""
+    from ..layout.budget import LayoutBudgetError
+
+    if not isinstance(e, LayoutBudgetError):
+        return ""
+    return ("\n  (on the command line: tiles= is --tiles N|auto, memory_budget= is --memory-budget BYTES, "
+            "exchange= is --exchange, and more devices is --devices N)")
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

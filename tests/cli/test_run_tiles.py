@@ -47,6 +47,8 @@ def test_a_run_in_three_tiles_has_the_energies_of_the_run_without(tmp_path, caps
     (["--memory-budget", "-1"], "--memory-budget must be bytes per device > 0"),
     (["--tiles", "2", "--memory-budget", "5MB"], "of 2 tiles), about"),  # the tables fit, a tile does not
     (["--tiles", "2", "--memory-budget", "5MB"], "Fix: use more tiles (tiles=4 or more)"),
+    (["--tiles", "2", "--memory-budget", "5MB"], "(on the command line: tiles= is --tiles N|auto, memory_budget= is "
+                                                 "--memory-budget BYTES"),
 ])
 def test_bad_tiles_and_budgets_are_refused_naming_the_option(capsys, argv, message):
     assert main(["run", *SMALL, *argv]) == 2
