@@ -60,9 +60,14 @@ def model_budget(memory_budget: Any, exchange: str, devices: Sequence[Any], wher
     value = fraction * device_bytes(devices, processes_per_host) if default else float(memory_budget)
     fix = ("use exchange='per_layer' (a halo of one cutoff instead of n_layers cutoffs, same numbers), more "
            "devices, " if exchange == "deep_halo" else "use more devices, ")
-    fix += (f"or, where the memory is there, a larger memory_budget= (bytes per device; "
-            f"{f'the default is {fraction:.0%} of each device' + chr(39) + 's memory' if default else 'it was given'})")
+    given = f"the default is {_share(fraction)} of each device's memory" if default else "it was given"
+    fix += f"or, where the memory is there, a larger memory_budget= (bytes per device; {given})"
     return B.MemoryBudget(value, fix)
+
+
+def _share(fraction: float) -> str:
+    """A default share in words, as messages say it."""
+    return "half" if fraction == 0.5 else f"{fraction:.0%}"
 
 
 def check_estimate(wrapper: Any, exchange: str, positions: np.ndarray, cell: np.ndarray,

@@ -105,4 +105,7 @@ def test_the_budget_argument_is_checked_and_defaults_to_half_of_each_devices_mem
     dm = DistributedMLIP(w, n_devices=4)
     assert 0 < dm.budget.bytes <= 0.5 * host_available_bytes() / 4 * 1.5  # its share of the host (CPU devices)
     assert "per_layer" not in dm.budget.fix and "the default is half" in dm.budget.fix
+    auto = DistributedMLIP(w, n_devices=4, exchange="deep_halo", tiles="auto")  # a measured cost: a larger share
+    assert auto.budget.bytes == pytest.approx(dm.budget.bytes * 0.8 / 0.5, rel=0.2)
+    assert "the default is 80% of each device's memory" in auto.budget.fix
     assert MPNNWrapper is type(w)
