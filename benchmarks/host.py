@@ -40,6 +40,7 @@ from benchmarks import common as cm
 MODELS = ("mace", "mpnn")
 NEAR = (500, 2000)  # atoms per device counted as "10^3 atoms per device" by the target
 TARGET = 0.10
+BACKWARD = "backward (graph replay)"  # the label of a CUDA-graph replay's backward (Python, on a GPU)
 DX_TOL = {"float32": 1e-3, "float64": 1e-8}  # final positions on D devices against 1 (A)
 
 
@@ -133,7 +134,7 @@ def clocked(probe: Probe) -> Iterator[None]:
         return timed
 
     stages.torch_function, dynamics._chunk_fn = torch_function, chunk_fn
-    cuda_graphs._Replay.backward = staticmethod(clock.timed(real_back, "backward (graph replay)"))
+    cuda_graphs._Replay.backward = staticmethod(clock.timed(real_back, BACKWARD))
     try:
         yield
     finally:
@@ -154,7 +155,8 @@ class Result:
     dispatch_cpu: float
     op_cpu: float  # all devices
     op_wall: float
-    calls: float  # stage-op calls per step
+    calls: float  # stage-op bodies run per step (forwards)
+    backwards: float  # graph-replay backwards per step
     ops: int  # stage ops per evaluation
     per_op: dict[str, float]  # CPU seconds per call, by op
     final: np.ndarray
@@ -181,7 +183,8 @@ def summarise(chunks: list[Chunk], end: float, devices: int, atoms: int, ops: in
     return Result(devices, atoms, steps, per(lambda c, s: s), per(lambda c, s: c.ready - c.start),
                   per(lambda c, s: c.returned - c.start), per(lambda c, s: c.dispatch_cpu),
                   per(lambda c, s: sum(c.cpu.values())),
-                  per(lambda c, s: sum(c.wall.values())), sum(calls.values()) / steps, ops,
+                  per(lambda c, s: sum(c.wall.values())), (sum(calls.values()) - calls[BACKWARD]) / steps,
+                  calls[BACKWARD] / steps, ops,
                   {k: cpu[k] / calls[k] for k in sorted(calls)}, final)
 
 
@@ -289,9 +292,10 @@ def _op(label: str) -> str:
 
 
 def weak_row(table: cm.Table, r: Result, base: Result | None) -> None:
+    calls = f"{r.calls:g} ({r.ops} x {r.devices})" + (f" + {r.backwards:g} backwards" if r.backwards else "")
     table.add(r.devices, f"{r.atoms} ({r.atoms / r.devices:.0f})", r.steps, cm.ms(r.step), cm.ms(r.program),
-              f"{cm.us(r.dispatch)} / {cm.us(r.dispatch_cpu)}", f"{r.calls:g} ({r.ops} x {r.devices})",
-              cm.us(r.op_cpu), cm.us(r.op_wall), cm.us(r.host), f"{r.host / r.step:.1%}", cm.ratio(base.step, r.step) if base else "-",
+              f"{cm.us(r.dispatch)} / {cm.us(r.dispatch_cpu)}", calls, cm.us(r.op_cpu), cm.us(r.op_wall),
+              cm.us(r.host), f"{r.host / r.step:.1%}", cm.ratio(base.step, r.step) if base else "-",
               ", ".join(f"{_op(k)} {v * 1e6:.1f}" for k, v in r.per_op.items()))
 
 
