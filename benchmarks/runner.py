@@ -4,6 +4,7 @@
     python -m benchmarks run md mlip --sizes mlip=108,1372 --dtype float32
     python -m benchmarks run --smoke --device cpu    # tiny sizes: checks the code paths, times nothing
     python -m benchmarks run tiles --memory-budget 60G --kernels tiles=cueq   # tiles with a budget, cuequivariance
+    python -m benchmarks run host --device cpu --devices 1,2,4,8   # the CPU-device proxy of host time per device
     python -m benchmarks list                        # the questions and what their options mean
     python -m benchmarks soak --kernels torch jax --steps 2500 --every 10   # the main job's memory soak
 
@@ -63,6 +64,10 @@ QUESTIONS: dict[str, Question] = {
                         "(default 2048000,1000000,1000000 on GPUs)",
                         "force kernel: lj-cells, lj-triton, lj-torch, lj-jax, dsf-... (default lj-cells on GPU, lj-jax "
                         "on CPU)", 90.0),
+    "host": Question("Host time per device per MD step of the JAX front door; the CPU-device proxy (issue 31)",
+                     ("host",), "atoms per device, then the strong-scaling system's atoms (default 1000 and "
+                     "1000 x the largest device count on GPUs; 1000,4000 for the MPNN, 1000,864 for MACE on the CPU)",
+                     "model: mace or mpnn (default mace on GPUs, mpnn on the CPU)", 240.0),
     "first-call": Question("First call: where a cold single point spends its time", ("first_call",),
                            "(not used)", "", 60.0),
     "tiles": Question("Tiles: MACE through the bridge past one GPU's memory, tiles chosen by the memory model",

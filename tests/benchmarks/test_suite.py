@@ -145,6 +145,30 @@ def test_scaling_forces_equal_the_single_device_forces(smoke):
     assert halo["grid"] == "1-D slab 2x1x1" and halo["matches numpy"] == "yes"
 
 
+def test_host_time_accounting_adds_up(smoke):
+    # not timings: identities between the clocks (rounded cells: 0.1 us, 3 significant digits of ms)
+    text = _text(smoke, "host")
+    weak = _table(text, "Host time per device per MD step")
+    assert [r["devices"] for r in weak] == ["1", "2"]
+    for r in weak:
+        d, step = int(r["devices"]), _num(r["step ms"]) * 1e3
+        calls, ops = re.fullmatch(r"(\d+) \((\d+) x (\d+)\)", r["stage-op calls/step (ops x devices)"]).group(1, 2)
+        assert int(ops) == 2 and int(calls) == 2 * d  # the smoke MPNN's two layers, once per device per step
+        assert {op.rsplit(" ", 1)[0] for op in r["CPU us per call, by op"].split(", ")} == {"layer_0", "layer_1"}
+        cpu, wall = _num(r["stage-op host CPU us/step (all devices)"]), _num(r["stage-op wall us/step (all devices)"])
+        d_wall, d_cpu = map(float, r["dispatch us/step (wall / CPU)"].split(" / "))
+        assert 0 < cpu <= wall + 0.2 and wall <= d * step * 1.01  # D devices' bodies fit in D x the step
+        assert 0 <= d_cpu <= d_wall + 0.2 and d_wall <= _num(r["program ms/step"]) * 1e3 * 1.01 <= step * 1.02
+        host = _num(r["host per device us/step"])
+        assert host == pytest.approx((cpu + d_cpu) / d, abs=0.2)
+        share = 100 * host / step
+        assert _num(r["host per device / step"]) == pytest.approx(share, abs=0.06 + 0.01 * share)
+        assert int(r["steps timed"]) >= 2
+    strong = _table(text, "Strong scaling")
+    assert [r["devices"] for r in strong] == ["1", "2"] and strong[0]["speed-up vs the first"] == "1.00x"
+    assert all(float(r["final max |dx| vs the first (A)"]) <= 1e-3 for r in strong)  # nve on 2 follows nve on 1
+
+
 def test_first_call_reports_its_phases(smoke):
     from benchmarks.first_call import ORDER
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from benchmarks import common as cm
-from benchmarks import runner, scaling, soak, tiles_plot
+from benchmarks import host, runner, scaling, soak, tiles_plot
 from benchmarks.md_step import cells_for
 from nvalchemi_jaxbridge.demo import reference
 from nvalchemi_jaxbridge.layout import HaloPlan
@@ -286,3 +286,47 @@ def test_without_matplotlib_the_plot_is_drawn_by_hand(tmp_path, monkeypatch):
     pts = _points([100, 1000], [50.0, 400.0], [1 << 20, 1 << 23], [1.0, 1.0])
     path = tiles_plot.write_plot(pts, tmp_path / "tiles.svg", "MACE")
     assert path.read_text() == tiles_plot.svg(pts, "MACE")
+
+
+# ------------------------------------------------------------------ host time per device
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("per_device", [32, 108])
+def test_host_weak_system_gives_every_device_one_cube(n, per_device):
+    atoms = host.weak_system(per_device, n)
+    plan = HaloPlan.build(atoms.positions, atoms.cell.array, cutoff=4.0, skin=0.5, n_devices=n)
+    np.testing.assert_array_equal(plan.n_owned, np.full(n, per_device))  # 32 and 108 are 4 b^3
+
+
+def _chunk(n, start, step, *, compiles=0, calls=2, cpu=1e-3, backwards=0):
+    """A chunk of `n` steps whose every step takes `step` s (program 0.8, dispatch 0.1 of it)."""
+    import collections
+
+    per_op = collections.Counter({"m_layer_0": calls * n})
+    if backwards:
+        per_op[host.BACKWARD] = backwards * n
+    cost = collections.Counter({k: cpu * v / (calls + backwards) for k, v in per_op.items()})
+    wall = collections.Counter({k: 2 * v for k, v in cost.items()})
+    return host.Chunk(n, start, start + 0.1 * step * n, start + 0.8 * step * n, 0.05 * step * n, compiles,
+                      per_op, wall, cost)
+
+
+@hypothesis.settings(max_examples=20)
+@hypothesis.given(ns=st.lists(st.integers(1, 10), min_size=1, max_size=6), step=st.floats(1e-4, 1.0),
+                  devices=st.integers(1, 8), backwards=st.sampled_from([0, 2]))
+def test_host_summary_takes_the_chunks_that_compiled_nothing(ns, step, devices, backwards):
+    chunks, t = [_chunk(1, 0.0, 50.0, compiles=1)], 50.0  # the start's forces: left out, whatever they took
+    chunks.append(_chunk(3, t, 9.0, compiles=2))  # a chunk that compiled: left out
+    t += 27.0
+    for n in ns:
+        chunks.append(_chunk(n, t, step, calls=2 * devices, backwards=backwards))
+        t += n * step
+    r = host.summarise(chunks, t, devices, 10, 2, np.zeros((10, 3)))
+    assert r.steps == sum(ns) and r.step == pytest.approx(step) and r.program == pytest.approx(0.8 * step)
+    assert r.dispatch == pytest.approx(0.1 * step) and r.dispatch_cpu == pytest.approx(0.05 * step)
+    assert r.calls == pytest.approx(2 * devices) and r.backwards == pytest.approx(backwards)
+    assert r.op_cpu == pytest.approx(1e-3) and r.op_wall == pytest.approx(2e-3)
+    assert r.host == pytest.approx((1e-3 + 0.05 * step) / devices)
+    with pytest.raises(RuntimeError, match=r"every chunk of the run on 3 devices compiled; give more --steps"):
+        host.summarise(chunks[:2], 77.0, 3, 10, 2, np.zeros((10, 3)))
