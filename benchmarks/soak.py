@@ -1,6 +1,7 @@
 """Memory soak of the main job: `nvalchemi-jaxbridge run` launched as a child, its RSS sampled.
 
-    python -m benchmarks soak [--kernels torch jax] [--steps 2500] [--every 10] [--warmup 0.1] [--window 0] [-- RUN OPTIONS]
+    python -m benchmarks soak [--kernels torch jax] [--steps 2500] [--every 10] [--warmup 0.1] [--window 0]
+                              [--log FILE] [-- RUN OPTIONS]
     python benchmarks/run_soak.py ...            # the same command line
 
 Each kernel's run is one child process (`python -m nvalchemi_jaxbridge.app.cli run --kernel K --steps N
@@ -54,23 +55,29 @@ def last_step(thermo: str) -> int:
     return int(last) if last.isdigit() else 0
 
 
-def soak(kernel: str, steps: int, every: float, extra: Sequence[str]) -> tuple[list[tuple[float, int, float]], int, str]:
-    """Run the job for `kernel`; its samples (seconds, step, RSS MB), exit code and output tail."""
+def soak(kernel: str, steps: int, every: float, extra: Sequence[str], log: str | None = None
+         ) -> tuple[list[tuple[float, int, float]], int, str]:
+    """Run the job for `kernel`; its samples (seconds, step, RSS MB), exit code and output tail.
+
+    `log`: a CSV file the samples are appended to as they are taken (kernel, seconds, step, RSS MB), so a
+    run stopped early still leaves them."""
     with tempfile.TemporaryDirectory() as tmp:
         thermo = os.path.join(tmp, "thermo.csv")
         cmd = [sys.executable, "-m", "nvalchemi_jaxbridge.app.cli", "run", "--kernel", kernel, "--steps", str(steps),
                "--quiet", "--thermo", thermo, "--thermo-every", "10", *extra]
-        with open(os.path.join(tmp, "log"), "w+") as log:
+        with open(os.path.join(tmp, "log"), "w+") as out, open(log or os.devnull, "a") as rows:
             t0 = time.perf_counter()
-            child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
             samples = []
             while child.poll() is None:
                 rss = rss_mb(child.pid)
                 if rss is not None:
                     samples.append((time.perf_counter() - t0, last_step(thermo), rss))
+                    rows.write(f"{kernel},{samples[-1][0]:.1f},{samples[-1][1]},{rss:.1f}\n")
+                    rows.flush()
                 time.sleep(every)
-            log.seek(0)
-            tail = "\n".join(log.read().strip().splitlines()[-25:])
+            out.seek(0)
+            tail = "\n".join(out.read().strip().splitlines()[-25:])
     return samples, child.returncode, tail
 
 
@@ -140,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--every", type=float, default=10.0, help="seconds between RSS samples (default 10)")
     p.add_argument("--warmup", type=float, default=0.1, help="fraction of the steps left out (default 0.1)")
     p.add_argument("--window", type=int, default=0, help="steps per window (default a tenth of the steps)")
+    p.add_argument("--log", help="CSV file the samples are appended to as they are taken (kernel, s, step, MB)")
     p.add_argument("extra", nargs="*", help="more `run` options, after --")
     args = p.parse_args(argv)
     import jax
@@ -150,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, traces = [], {}
     width = max(10, args.window or args.steps // 10)
     for kernel in args.kernels:
-        samples, code, tail = soak(kernel, args.steps, args.every, args.extra)
+        samples, code, tail = soak(kernel, args.steps, args.every, args.extra, args.log)
         if code != 0:
             print(f"run --kernel {kernel} exited {code}:\n{tail}")
         row, traces[kernel] = summarise(kernel, samples, code, args.steps, args.warmup, args.window)

@@ -68,6 +68,9 @@ def _run(args: argparse.Namespace) -> int:
                          "--thermo": args.thermo})
     if is_model:
         return _run_model(args)
+    from ..kernels.host_memory import map_large_blocks
+
+    map_large_blocks()  # this process's malloc: a torch op's large temporaries, freed on XLA's threads, go back at once
     every = {k: getattr(args, k) for k in ("trajectory_every", "thermo_every", *_LIMITS)
              if getattr(args, k) is not None}
     config = run_config.RunConfig(
