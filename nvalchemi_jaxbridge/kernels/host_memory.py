@@ -13,7 +13,8 @@ nothing leaks.
 - `map_large_blocks()` fixes the mmap threshold (glibc `mallopt(M_MMAP_THRESHOLD)`), so a block
   of at least `LARGE_BLOCK` bytes that an arena has no free room for gets its own mapping,
   returned to the system by `free`, instead of growing the arena; the arenas then stay small
-  (the same job: ~200 MB of arenas, RSS flat at ~0.9 GB instead of 2-2.9 GB). A fresh mapping
+  (the same job: arenas ~0.2 GB; RSS flat, ~1.4 GB most of the time and 1.6-1.8 GB with every
+  device's call in flight, where it was 2.8-3.0 GB and creeping). A fresh mapping
   is faulted in page by page at each call, so it also has torch's CPU allocator ask for huge
   pages for blocks of 2 MB and more (`THP_MEM_ALLOC_ENABLE`): ~8x fewer page faults, and the
   job's CPU time per step as before (without huge pages it was 1.6-1.9x).
@@ -30,7 +31,8 @@ import functools
 import os
 from typing import Any
 
-LARGE_BLOCK = 1 << 20  # bytes: an op's temporaries on an atom block (MBs) are larger; a mapping's cost is small beside filling it
+# bytes: an op's temporaries on an atom block (MBs) are larger; a mapping's syscalls are small beside filling it
+LARGE_BLOCK = 1 << 20
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 
@@ -67,7 +69,7 @@ def release_freed_host_memory() -> bool:
 
 @functools.cache
 def map_large_blocks() -> bool:
-    """Serve every malloc block of at least `LARGE_BLOCK` bytes by its own mapping, for this process.
+    """Have malloc map blocks of at least `LARGE_BLOCK` bytes instead of growing its arenas, for this process.
 
     Sets glibc's mmap threshold (`mallopt(M_MMAP_THRESHOLD, LARGE_BLOCK)`), which also stops
     glibc from raising it by itself: a large block an arena has no free room for (a torch
