@@ -1,16 +1,18 @@
 """Memory soak of the main job: `nvalchemi-jaxbridge run` launched as a child, its RSS sampled.
 
-    python -m benchmarks soak [--kernels torch jax] [--steps 2500] [--every 10] [--warmup 0.1] [--window 0] [-- RUN OPTIONS]
+    python -m benchmarks soak [--kernels torch jax] [--steps 2500] [--every 10] [--warmup 0.1] [--window 0]
+                              [--log FILE] [-- RUN OPTIONS]
     python benchmarks/run_soak.py ...            # the same command line
 
 Each kernel's run is one child process (`python -m nvalchemi_jaxbridge.app.cli run --kernel K --steps N
 --quiet`, plus `--thermo` into a temporary file so the sampler knows the step: the job writes a row every 10
 steps). The sampler reads the child's VmRSS from /proc/PID/status every `--every` seconds. Warm-up: the
 samples before `--warmup` of the steps (default 10 %, at least step 100 when the run is long enough) are left
-out; the rest fall in windows of `--window` steps (default a tenth of the run). The job gives malloc's free
-pages back at each host check, after which the RSS rises again within a step or two as the op's temporaries
-are faulted in, so a window's lowest sample is just after a check and its highest the working set: the table
-gives, for the windows' highest and lowest RSS, the first and last window's, their spread and their
+out; the rest fall in windows of `--window` steps (default a tenth of the run). The RSS moves within a step:
+a torch op's temporaries are mapped and unmapped at each call on every device's thread, and the job gives
+malloc's free pages back at each host check, so a window's lowest sample is between calls and its highest the
+working set with the calls in flight (the median: the RSS most of the time): the table
+gives, for the windows' highest, median and lowest RSS, the first and last window's, their spread and their
 least-squares slope in MB per 1000 steps; then every window. Linux only (/proc).
 """
 
@@ -28,7 +30,8 @@ import numpy as np
 
 SMOKE_COMMAND = "python -m benchmarks soak --kernels jax --steps 20 --every 0.5 -- --cells 2"
 COLUMNS = ["kernel", "exit", "wall s", "windows", "highest: first / last window (MB)", "spread (MB)",
-           "slope (MB/1000 steps)", "lowest: first / last window (MB)", "spread (MB)", "slope (MB/1000 steps)"]
+           "slope (MB/1000 steps)", "median: first / last window (MB)", "spread (MB)", "slope (MB/1000 steps)",
+           "lowest: first / last window (MB)", "spread (MB)", "slope (MB/1000 steps)"]
 
 
 def rss_mb(pid: int) -> float | None:
@@ -54,60 +57,69 @@ def last_step(thermo: str) -> int:
     return int(last) if last.isdigit() else 0
 
 
-def soak(kernel: str, steps: int, every: float, extra: Sequence[str]) -> tuple[list[tuple[float, int, float]], int, str]:
-    """Run the job for `kernel`; its samples (seconds, step, RSS MB), exit code and output tail."""
+def soak(kernel: str, steps: int, every: float, extra: Sequence[str], log: str | None = None
+         ) -> tuple[list[tuple[float, int, float]], int, str]:
+    """Run the job for `kernel`; its samples (seconds, step, RSS MB), exit code and output tail.
+
+    `log`: a CSV file the samples are appended to as they are taken (kernel, seconds, step, RSS MB), so a
+    run stopped early still leaves them."""
     with tempfile.TemporaryDirectory() as tmp:
         thermo = os.path.join(tmp, "thermo.csv")
         cmd = [sys.executable, "-m", "nvalchemi_jaxbridge.app.cli", "run", "--kernel", kernel, "--steps", str(steps),
                "--quiet", "--thermo", thermo, "--thermo-every", "10", *extra]
-        with open(os.path.join(tmp, "log"), "w+") as log:
+        with open(os.path.join(tmp, "log"), "w+") as out, open(log or os.devnull, "a") as rows:
             t0 = time.perf_counter()
-            child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
             samples = []
             while child.poll() is None:
                 rss = rss_mb(child.pid)
                 if rss is not None:
                     samples.append((time.perf_counter() - t0, last_step(thermo), rss))
+                    rows.write(f"{kernel},{samples[-1][0]:.1f},{samples[-1][1]},{rss:.1f}\n")
+                    rows.flush()
                 time.sleep(every)
-            log.seek(0)
-            tail = "\n".join(log.read().strip().splitlines()[-25:])
+            out.seek(0)
+            tail = "\n".join(out.read().strip().splitlines()[-25:])
     return samples, child.returncode, tail
 
 
 def windows(samples: Sequence[tuple[float, int, float]], steps: int, warmup: float, width: int
-            ) -> list[tuple[int, int, float, float]]:
-    """(first step, last step, min RSS, max RSS) of the samples in each `width`-step window past warm-up."""
+            ) -> list[tuple[int, int, float, float, float]]:
+    """(first step, last step, min, max, median RSS) of the samples in each `width`-step window past warm-up."""
     start = max(min(100, steps // 2), int(warmup * steps))
     out = []
     for lo in range(start, steps, width):
         last = lo + width >= steps  # the last window holds the samples at the last step too
         rss = [r for _, s, r in samples if lo <= s < lo + width or (last and s == steps)]
         if rss:
-            out.append((lo, min(lo + width, steps), min(rss), max(rss)))
+            out.append((lo, min(lo + width, steps), min(rss), max(rss), float(np.median(rss))))
     return out
 
 
-def summary(win: Sequence[tuple[int, int, float, float]]) -> dict[str, float]:
-    """Spread and slope (MB per 1000 steps) of the windows' highest and lowest RSS."""
+def summary(win: Sequence[tuple[int, int, float, float, float]]) -> dict[str, float]:
+    """First, last, spread and slope (MB per 1000 steps) of the windows' highest, median and lowest RSS."""
     if len(win) < 2:
         return {"n": len(win)}
-    mid = np.array([(a + b) / 2 for a, b, _, _ in win])
-    lo, hi = np.array([w[2] for w in win]), np.array([w[3] for w in win])
-    return {"n": len(win), "max_first": hi[0], "max_last": hi[-1], "max_spread": np.ptp(hi),
-            "max_slope": 1000.0 * float(np.polyfit(mid, hi, 1)[0]), "min_first": lo[0], "min_last": lo[-1],
-            "min_spread": np.ptp(lo), "min_slope": 1000.0 * float(np.polyfit(mid, lo, 1)[0])}
+    mid = np.array([(w[0] + w[1]) / 2 for w in win])
+    out: dict[str, float] = {"n": len(win)}
+    for name, col in (("min", 2), ("max", 3), ("med", 4)):
+        v = np.array([w[col] for w in win])
+        out.update({f"{name}_first": v[0], f"{name}_last": v[-1], f"{name}_spread": np.ptp(v),
+                    f"{name}_slope": 1000.0 * float(np.polyfit(mid, v, 1)[0])})
+    return out
 
 
 def summarise(kernel: str, samples, code: int, steps: int, warmup: float, window: int
-              ) -> tuple[list[str], list[tuple[int, int, float, float]]]:
+              ) -> tuple[list[str], list[tuple[int, int, float, float, float]]]:
     """The table row (`COLUMNS`) of one kernel's run, and its windows."""
     win = windows(samples, steps, warmup, max(10, window or steps // 10))
     s, wall = summary(win), (f"{samples[-1][0]:.0f}" if samples else "-")
     if s["n"] < 2:
-        return [kernel, str(code), wall, str(s["n"])] + ["-"] * 6, win
-    return [kernel, str(code), wall, str(s["n"]), f"{s['max_first']:.0f} / {s['max_last']:.0f}", f"{s['max_spread']:.0f}",
-            f"{s['max_slope']:+.1f}", f"{s['min_first']:.0f} / {s['min_last']:.0f}", f"{s['min_spread']:.0f}",
-            f"{s['min_slope']:+.1f}"], win
+        return [kernel, str(code), wall, str(s["n"])] + ["-"] * 9, win
+    return [kernel, str(code), wall, str(s["n"])] + [
+        x for name in ("max", "med", "min") for x in (
+            f"{s[name + '_first']:.0f} / {s[name + '_last']:.0f}", f"{s[name + '_spread']:.0f}",
+            f"{s[name + '_slope']:+.1f}")], win
 
 
 def run(rep, opt) -> None:
@@ -140,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--every", type=float, default=10.0, help="seconds between RSS samples (default 10)")
     p.add_argument("--warmup", type=float, default=0.1, help="fraction of the steps left out (default 0.1)")
     p.add_argument("--window", type=int, default=0, help="steps per window (default a tenth of the steps)")
+    p.add_argument("--log", help="CSV file the samples are appended to as they are taken (kernel, s, step, MB)")
     p.add_argument("extra", nargs="*", help="more `run` options, after --")
     args = p.parse_args(argv)
     import jax
@@ -150,16 +163,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, traces = [], {}
     width = max(10, args.window or args.steps // 10)
     for kernel in args.kernels:
-        samples, code, tail = soak(kernel, args.steps, args.every, args.extra)
+        samples, code, tail = soak(kernel, args.steps, args.every, args.extra, args.log)
         if code != 0:
             print(f"run --kernel {kernel} exited {code}:\n{tail}")
         row, traces[kernel] = summarise(kernel, samples, code, args.steps, args.warmup, args.window)
         rows.append(row)
-    print(f"\nRSS (MB) after warm-up, in windows of {width} steps: the highest and the lowest sample of each window\n")
+    print(f"\nRSS (MB) after warm-up, in windows of {width} steps: the highest, median and lowest sample of each "
+          "window\n")
     print("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
     for row in rows:
         print("| " + " | ".join(row) + " |")
     for kernel, win in traces.items():
-        print(f"\nrun --kernel {kernel}: steps, lowest - highest RSS MB")
-        print("  " + "; ".join(f"{a}-{b}: {lo:.0f}-{hi:.0f}" for a, b, lo, hi in win))
+        print(f"\nrun --kernel {kernel}: steps, lowest - highest (median) RSS MB")
+        print("  " + "; ".join(f"{a}-{b}: {lo:.0f}-{hi:.0f} ({med:.0f})" for a, b, lo, hi, med in win))
     return 0 if all(row[1] == "0" for row in rows) else 1

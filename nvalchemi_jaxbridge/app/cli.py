@@ -66,6 +66,9 @@ def _run(args: argparse.Namespace) -> int:
     model_run.check_options(model_run=is_model, given=vars(args))
     outputs.check_paths({"--json-report": args.json_report, "--plot": args.plot, "--trajectory": args.trajectory,
                          "--thermo": args.thermo})
+    from ..kernels.host_memory import map_large_blocks
+
+    map_large_blocks()  # this process's malloc: a torch op's large temporaries, freed on XLA's threads, go back at once
     if is_model:
         return _run_model(args)
     every = {k: getattr(args, k) for k in ("trajectory_every", "thermo_every", *_LIMITS)

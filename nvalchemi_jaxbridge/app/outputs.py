@@ -126,8 +126,8 @@ class Recorder:
         self.steps, self.dt, self.n, self.progress = config.steps, dt, system.n_atoms, progress
         self.traj = Trajectory(config.trajectory, config.trajectory_every, system) if config.trajectory else None
         self.thermo = Thermo(config.thermo, config.thermo_every, system.n_atoms) if config.thermo else None
-        self.energies: list[Any] = []  # device values of steps 1, 2, ...
-        self.host = np.zeros((0, 3))  # their host copies, pulled so far
+        self.host = np.zeros((0, 3))  # host copies of the values of steps 1, 2, ..., pulled so far
+        self.pending: list[Any] = []  # device values of the steps after those, dropped once pulled
         self.written = 0  # steps whose thermo rows are written
         self._frames: list[tuple[int, Any, Any]] = []  # (step, compiled spec, state) still on the device
         self._dof = max(3 * system.n_atoms - 3, 1)
@@ -145,7 +145,7 @@ class Recorder:
 
     def step(self, step: int, cs: Any, state: Any, energies: Any) -> None:
         """Record step `step` (device values; nothing is copied to the host here)."""
-        self.energies.append(energies)
+        self.pending.append(energies)
         if self._wants(self.traj, step):
             self._frames.append((step, cs, state))
 
@@ -153,17 +153,16 @@ class Recorder:
         """Copy the values since the last pull to the host; all host values `(steps so far, columns)`."""
         import jax
 
-        done = len(self.host)
-        if len(self.energies) > done:
-            block = np.asarray(jax.device_get(self.energies[done:]), dtype=np.float64).reshape(
-                len(self.energies) - done, -1)
-            self.host = block if done == 0 else np.concatenate([self.host, block])
+        if self.pending:
+            block = np.asarray(jax.device_get(self.pending), dtype=np.float64).reshape(len(self.pending), -1)
+            self.host = block if len(self.host) == 0 else np.concatenate([self.host, block])
+            self.pending.clear()  # a device array held per step would grow the job's memory (issue 29)
         return self.host
 
     def truncate(self, step: int) -> None:
         """Forget the steps after `step` (not yet written), to be run again."""
         assert step >= self.written, f"Recorder.truncate({step}): steps up to {self.written} are written"
-        del self.energies[step:]
+        del self.pending[max(step - len(self.host), 0):]
         self.host = self.host[:step]
         self._frames = [f for f in self._frames if f[0] <= step]
 

@@ -15,7 +15,8 @@ Every `check_every` steps (after a stale plan, as often as that plan held, then
 doubling back) and at the last step, the host reads the steps' values
 (`app/guards.py`) and gives the heap's freed pages back to the system
 (`kernels/host_memory.py`: a torch op's temporaries, freed on XLA's threads, would
-otherwise stay with malloc and grow the RSS step by step): a runaway energy or
+otherwise stay with malloc and grow the RSS step by step; the CLI's process also has
+malloc map large blocks, `map_large_blocks`): a runaway energy or
 temperature stops the run (`RunReport.stop`); a step whose displacement passed
 skin/2 had forces from a stale plan, so the steps since the last check are run
 again with the plan rebuilt at the step before (or, if one step from a fresh plan

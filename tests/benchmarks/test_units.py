@@ -145,11 +145,13 @@ def test_soak_windows_find_a_steady_and_a_growing_job():
     growing = [(0.0, int(s), 1000.0 + 0.2 * s) for s in steps]  # 0.2 MB per step: 200 MB per 1000 steps
     s = soak.summary(soak.windows(growing, 1000, 0.1, 100))
     assert s["max_slope"] == pytest.approx(200.0, rel=0.05) and s["min_slope"] == pytest.approx(200.0, rel=0.05)
+    assert s["med_slope"] == pytest.approx(200.0, rel=0.05)
+    assert row[7].startswith("1015 /") and float(row[8]) <= 15  # a window's median: between the trim's two levels
 
 
 def test_a_short_soak_has_no_windows_to_compare():
     row, win = soak.summarise("jax", [(0.5, 10, 900.0)], 0, 20, 0.1, 0)
-    assert len(win) <= 1 and row[4:] == ["-"] * 6
+    assert len(win) <= 1 and row[4:] == ["-"] * 9
 
 
 # ------------------------------------------------------------------ scaling and MD sizes
