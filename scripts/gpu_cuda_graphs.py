@@ -101,16 +101,10 @@ def gpu_busy_ms(call, sync, calls: int = 5) -> float:
 
 
 def interleaved(runs: dict, warmup: int, rounds: int) -> dict[str, float]:
-    """Median wall ms per call of each `(fn, sync)`, the runs taking turns call by call."""
-    for _ in range(warmup):
-        for fn, sync in runs.values():
-            sync(fn())
-    out: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(rounds):
-        for k, (fn, sync) in runs.items():
-            t0 = time.perf_counter()
-            sync(fn())
-            out[k].append(time.perf_counter() - t0)
+    """Median wall ms per call of each `(fn, sync)`, the runs taking turns call by call (`benchmarks.common`)."""
+    from benchmarks.common import time_interleaved
+
+    out = time_interleaved(runs, warmup=warmup, iters=rounds)
     return {k: 1e3 * statistics.median(v) for k, v in out.items()}
 
 
