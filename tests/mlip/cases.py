@@ -47,3 +47,17 @@ STRUCTURES = {
 def structure(name: str):
     """A fresh copy is not needed: callers only read positions, numbers, cell and pbc."""
     return alloy(**STRUCTURES[name])
+
+
+@functools.cache
+def mpnn_nve_reference():
+    """The MPNN on the "small" structure at 300 K: `(wrapper, atoms, masses, velocities, positions per step)` of
+    100 velocity-Verlet steps of 1 fs on one device (`reference_nve`), computed once per process."""
+    from nvalchemi_jaxbridge.demo.systems import maxwell_boltzmann
+    from tests.mlip._reference import reference_nve
+
+    w, atoms = wrapper("mpnn"), structure("small")
+    masses = atoms.get_masses()
+    v = maxwell_boltzmann(masses, 300.0, seed=1)
+    want = reference_nve(w.model, atoms, w.cutoff, w.node_attrs(atoms.numbers), v, masses, steps=100, dt=1.0)
+    return w, atoms, masses, v, want

@@ -17,15 +17,11 @@ from nvalchemi_jaxbridge.mlip import DistributedMLIP
 from nvalchemi_jaxbridge.mlip.dynamics import nve
 from tests.compile_events import backend_compiles
 from tests.mlip import cases
-from tests.mlip._reference import reference_nve
 
 
 @pytest.mark.slow
 def test_nve_follows_the_one_device_trajectory():
-    w, atoms = cases.wrapper("mpnn"), cases.structure("small")
-    masses = atoms.get_masses()
-    v = maxwell_boltzmann(masses, 300.0, seed=1)
-    want = reference_nve(w.model, atoms, w.cutoff, w.node_attrs(atoms.numbers), v, masses, steps=100, dt=1.0)
+    w, atoms, masses, v, want = cases.mpnn_nve_reference()
     seen = []
     out = nve(DistributedMLIP(w, n_devices=8, skin=1.0), atoms.positions, v, masses, atoms.numbers,
               atoms.cell.array, atoms.pbc, steps=100, dt=1.0, check_every=25,

@@ -12,11 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nvalchemi_jaxbridge.demo.systems import maxwell_boltzmann
 from nvalchemi_jaxbridge.mlip import DistributedMLIP
 from nvalchemi_jaxbridge.mlip.dynamics import nve
 from tests.mlip import cases
-from tests.mlip._reference import reference_nve
 from tests.mlip.test_jax_door import check, expected
 
 # Every tile count (2, 4 or 8, 27), device count (1, 2, 8) and cell (cubic, triclinic, slab) for each model
@@ -65,10 +63,7 @@ def test_weighted_atomic_energies_differentiate_as_without_tiles():
 
 @pytest.mark.slow
 def test_md_with_tiles_follows_the_one_device_trajectory():
-    w, atoms = cases.wrapper("mpnn"), cases.structure("small")
-    masses = atoms.get_masses()
-    v = maxwell_boltzmann(masses, 300.0, seed=1)
-    want = reference_nve(w.model, atoms, w.cutoff, w.node_attrs(atoms.numbers), v, masses, steps=100, dt=1.0)
+    w, atoms, masses, v, want = cases.mpnn_nve_reference()
     model = DistributedMLIP(w, n_devices=1, exchange="deep_halo", skin=1.0, tiles=3)
     out = nve(model, atoms.positions, v, masses, atoms.numbers, atoms.cell.array, atoms.pbc, steps=100, dt=1.0,
               check_every=25)
