@@ -325,13 +325,13 @@ def _list() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["soak"]:  # its own options (argparse's REMAINDER does not take ones that start with --)
+        from benchmarks.soak import main as soak_main
+
+        return soak_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.cmd == "list":
         return _list()
-    if args.cmd == "soak":
-        from benchmarks.soak import main as soak_main
-
-        return soak_main(args.rest)
     try:
         opt = options(args)
     except ValueError as e:

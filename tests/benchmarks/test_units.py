@@ -149,9 +149,19 @@ def test_soak_windows_find_a_steady_and_a_growing_job():
     assert row[7].startswith("1015 /") and float(row[8]) <= 15  # a window's median: between the trim's two levels
 
 
+def test_the_rss_at_the_host_checks_gets_its_own_columns():
+    steps = np.arange(0, 1001, 5)
+    noisy = [(0.0, int(s), 1000.0 + (300.0 if s % 10 else 0.0)) for s in steps]  # calls in flight half the time
+    checks = [(0.0, int(s), 900.0 + 0.05 * s) for s in range(10, 1001, 10)]  # resting size: +50 MB / 1000 steps
+    row, _ = soak.summarise("torch", noisy, 0, 1000, 0.1, 100, checks)
+    assert row[4] == "1300 / 1300" and row[13] == "907 / 948"
+    assert float(row[14]) == pytest.approx(41, abs=1) and float(row[15]) == pytest.approx(50.0, rel=0.01)
+    assert soak.summarise("torch", noisy, 0, 1000, 0.1, 100)[0][13:] == ["-"] * 3  # no checks recorded
+
+
 def test_a_short_soak_has_no_windows_to_compare():
     row, win = soak.summarise("jax", [(0.5, 10, 900.0)], 0, 20, 0.1, 0)
-    assert len(win) <= 1 and row[4:] == ["-"] * 9
+    assert len(win) <= 1 and row[4:] == ["-"] * 12
 
 
 # ------------------------------------------------------------------ scaling and MD sizes
