@@ -39,6 +39,8 @@ from ..kernels.cuda_graphs import AUTO_MAX_ROWS, StageGraphs, capture_backend
 from ..kernels.torch_fn import torch_function
 from . import contract
 from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, node_energies_of, with_edge_features
+from .replicas import WrapperReplicas, weights
+from .torch_device import model_devices
 
 
 def block_graph(positions: torch.Tensor, node_attrs: torch.Tensor, edges: torch.Tensor,
@@ -80,15 +82,6 @@ def _n_edge_features(wrapper: MessagePassingWrapper, device: torch.device) -> in
     return 0 if feats is None else len(as_tuple(feats))
 
 
-def _weights(wrapper: MessagePassingWrapper) -> list[torch.Tensor]:
-    """The parameters and buffers of the wrapper's modules (what a recorded stage reads in place)."""
-    import itertools
-
-    from .torch_model import wrapper_modules
-
-    return [t for m in wrapper_modules(wrapper) for t in itertools.chain(m.parameters(), m.buffers())]
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class StageOps:
     """The stage ops of one wrapper for blocks of one receiver count (JAX callables on local arrays).
@@ -125,22 +118,30 @@ class Stages:
     n_edge_features: int
     graphs: StageGraphs | None = None  # recording as CUDA graphs (None: the ops run eagerly)
     _sets: dict[int | None, StageOps] = dataclasses.field(default_factory=dict)
+    #: the wrapper on each device the ops run on (a copy where its weights live elsewhere: mlip.replicas)
+    replicas: WrapperReplicas = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "replicas", WrapperReplicas(self.wrapper))
 
     @classmethod
     def of(cls, wrapper: MessagePassingWrapper, *, call_path: str = "auto", device: str = "cpu",
            cuda_graphs: Any = "auto") -> Stages:
         """The stage ops of `wrapper` (they close over its weights).
 
-        `device`: where the model's weights live ("cpu" or "cuda"), for the shape probes.
+        `device`: where the ops run ("cpu" or "cuda"); the shape probes run where the model's
+        weights are (on `device` if they are on several or none).
         `cuda_graphs`: "auto" (record the ops as CUDA graphs on a GPU), True, False, or a
         capture backend (`kernels.cuda_graphs.capture_backend`).
         """
         dev = torch.device(device)
         backend = capture_backend(cuda_graphs, dev, f"the stages of model {wrapper.name!r}")
         auto = isinstance(cuda_graphs, str) and cuda_graphs == "auto"
-        graphs = None if backend is None else StageGraphs(backend, wrapper.name, lambda: _weights(wrapper),
+        graphs = None if backend is None else StageGraphs(backend, wrapper.name, lambda: weights(wrapper),
                                                           max_rows=AUTO_MAX_ROWS if auto else None)
-        return cls(wrapper, call_path, _n_features(wrapper, dev), _n_edge_features(wrapper, dev), graphs)
+        homes = model_devices(wrapper)
+        probe = next(iter(homes)) if len(homes) == 1 else dev
+        return cls(wrapper, call_path, _n_features(wrapper, probe), _n_edge_features(wrapper, probe), graphs)
 
     def for_receivers(self, n_receivers: int | None) -> StageOps:
         """The ops whose blocks have `n_receivers` receiver rows (None: every row), made once."""
@@ -154,7 +155,10 @@ class Stages:
 
     def _define(self, n_receivers: int | None) -> StageOps:
         wrapper, n, n_edge, call_path = self.wrapper, self.n_features, self.n_edge_features, self.call_path
-        name, n_layers = wrapper.name, wrapper.n_layers
+        name, n_layers, replicas = wrapper.name, wrapper.n_layers, self.replicas
+
+        def on(t: torch.Tensor) -> MessagePassingWrapper:  # the wrapper with its weights on t's device
+            return replicas.on(t.device, check=False)
 
         def graph(pos, attrs, edges, shifts, edge_features=None) -> BlockGraph:
             return block_graph(pos, attrs, edges, shifts, n_receivers, edge_features)
@@ -163,13 +167,13 @@ class Stages:
             return f"'{name}_{label}' of the JAX door"
 
         def layer(i: int, g: BlockGraph, h: tuple[Any, ...], where: str) -> tuple[tuple[Any, ...], Any]:
-            h_new, e = contract.interaction(wrapper, i, g, h if n > 1 else h[0], where, n)
+            h_new, e = contract.interaction(on(g.positions), i, g, h if n > 1 else h[0], where, n)
             return as_tuple(h_new), e
 
         def first(*arrays):
-            where = stage("layer_0")
-            g = with_edge_features(wrapper, graph(*arrays), where)
-            h, e = layer(0, g, as_tuple(contract.embed(wrapper, g, where)), where)
+            where, w = stage("layer_0"), on(arrays[0])
+            g = with_edge_features(w, graph(*arrays), where)
+            h, e = layer(0, g, as_tuple(contract.embed(w, g, where)), where)
             return (*(g.edge_features or ()), *h, e)
 
         def middle(i: int):
@@ -184,17 +188,18 @@ class Stages:
             g = graph(pos, attrs, edges, shifts, ef if n_edge else None)
             where = stage(f"layer_{n_layers - 1}")
             _, e = layer(n_layers - 1, g, h, where)
-            return contract.node_energies(wrapper, g, earlier + e, where)
+            return contract.node_energies(on(pos), g, earlier + e, where)
 
         def whole(*arrays):
-            return node_energies_of(wrapper, graph(*arrays), stage("whole"))
+            return node_energies_of(on(arrays[0]), graph(*arrays), stage("whole"))
 
         def op(fn, n_in: int, n_out: int, label: str) -> Any:
             record = contract.ShapeRecord(wrapper, stage(label))
-            run = fn if self.graphs is None else self.graphs.wrap(
-                fn, f"{name}_{label}", checks_weights=label in ("layer_0", "whole"))  # the first op of a program
+            first_op = label in ("layer_0", "whole")  # the first op of a program
+            run = fn if self.graphs is None else self.graphs.wrap(fn, f"{name}_{label}", checks_weights=first_op)
 
             def checked(*arrays):
+                replicas.on(arrays[0].device, check=first_op)  # outside any recording: copies follow the weights
                 out = run(*arrays)
                 record.check(arrays, out)
                 return out
