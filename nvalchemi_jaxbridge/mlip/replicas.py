@@ -38,6 +38,14 @@ def weights(wrapper: Any) -> list[torch.Tensor]:
     return [t for m in wrapper_modules(wrapper) for t in itertools.chain(m.parameters(), m.buffers())]
 
 
+def _first(wrapper: Any) -> torch.Tensor | None:
+    """The first of `weights(wrapper)`, found without walking the others."""
+    for m in wrapper_modules(wrapper):
+        for t in itertools.chain(m.parameters(), m.buffers()):
+            return t
+    return None
+
+
 def _stamp(tensors: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
     """What a copy must match: each tensor's storage and in-place version."""
     return tuple((t.data_ptr(), t._version) for t in tensors)
@@ -64,14 +72,28 @@ class WrapperReplicas:
         self._lock = threading.Lock()
         self._copies: dict[torch.device, tuple[Any, tuple]] = {}  # device -> (copy, stamp it took)
         self._current: dict[torch.device, Any] = {}  # device -> what `on` hands out until the next check
+        self._probe: torch.Tensor | None = None  # a weight of a wrapper whose weights are on one device
 
     def on(self, device: torch.device, *, check: bool = True) -> Any:
-        """The wrapper for stages on `device`; `check`: compare with the original's weights first."""
+        """The wrapper for stages on `device`; `check`: compare with the original's weights first.
+
+        Where the weights were all on `device` at the last full check, a check looks at the first of
+        them only (a model moved with `.to()` moves or replaces it too); elsewhere it walks every
+        parameter and buffer.
+        """
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         if not check and device in self._current:
             return self._current[device]
+        probe = self._probe
+        if probe is not None and probe.device == device and self._current.get(device) is self.wrapper \
+                and _first(self.wrapper) is probe:
+            return self.wrapper
         with self._lock:
             own = weights(self.wrapper)
-            if not own or {t.device for t in own} == {device}:
+            homes = {t.device for t in own}
+            self._probe = own[0] if len(homes) == 1 else None
+            if not own or homes == {device}:
                 self._current[device] = self.wrapper
                 return self.wrapper
             stamp = _stamp(own)

@@ -64,6 +64,14 @@ def test_an_in_place_change_is_seen_at_the_next_check_only():
     assert rep.on(META) is meta and seen == [META]  # nothing changed since
 
 
+def test_a_model_moved_after_its_first_check_is_followed():
+    w = _mpnn()
+    rep = WrapperReplicas(w)
+    assert rep.on(CPU) is w
+    w.model.to(META)  # its weights now live where a meta stage runs, and no longer on the CPU
+    assert rep.on(META) is w and rep.copies() == {}
+
+
 def test_a_reshaped_parameter_under_a_live_copy_is_refused_naming_the_model():
     w = _mpnn()
     rep = WrapperReplicas(w)
