@@ -105,10 +105,19 @@ def _one(rep: cm.Report, table: cm.Table, model, dtype: str, atoms, batch, whole
     t0 = time.perf_counter()
     bridge = DistributedMLIP(wrapper, n_devices=1, exchange="deep_halo", tiles=n_tiles, skin=0.0, headroom=1.0,
                              cuda_graphs=False, memory_budget=budget)
-    state = bridge.prepare(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
+    try:
+        state = bridge.prepare(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
+    except Exception as e:  # noqa: BLE001 - a refused layout leaves the other two ways
+        if not _expected(e):
+            raise
+        state = None
+        info["deep halo"].update(rows=float("nan"), largest="-", error=_said(e))
     info["deep halo"]["layout"] = time.perf_counter() - t0
-    pos_jax = state.cs.owned(np.asarray(atoms.positions, np.float64).astype(dtype), positions=True)
-    if state.tiles is None:
+    pos_jax = None if state is None else state.cs.owned(np.asarray(atoms.positions, np.float64).astype(dtype),
+                                                        positions=True)
+    if state is None:
+        pass
+    elif state.tiles is None:
         r = state.rows_per_device()[0]
         info["deep halo"].update(rows=r["owned"] + r["ghost"], largest=f"{r['owned'] + r['ghost']:,} / {r['edges']:,}")
     else:
@@ -134,6 +143,8 @@ def _one(rep: cm.Report, table: cm.Table, model, dtype: str, atoms, batch, whole
         return perlayer.energy_and_forces(wrapper, whole, pos_torch, tiles)
 
     calls = {"native": native, "deep halo": deep_halo, "per layer": per_layer}
+    if state is None:
+        del calls["deep halo"]
     results, times, peaks = _turns(calls, rounds, sync, dev if opt.platform == "gpu" else None, info)
     if "deep halo" in results:
         results["deep halo"] = deep_halo_numbers(results["deep halo"])
@@ -149,7 +160,7 @@ def _one(rep: cm.Report, table: cm.Table, model, dtype: str, atoms, batch, whole
         elif got is None:
             par = i.get("error", "failed")
         t = cm.med(times[way])
-        table.add(n, n_tiles, way, f"{i['rows'] / n:.3f}", i["largest"], f"{i['layout']:.3g}",
+        table.add(n, n_tiles, way, f"{i['rows'] / n:.3f}" if i["rows"] == i["rows"] else "-", i["largest"], f"{i['layout']:.3g}",
                   f"{i.get('first', float('nan')):.3g}", f"{t:.4g}", f"{n / t:,.0f}" if t == t else "-",
                   cm.ratio(t, base_t) if way != "native" else "1", cm.human_bytes(peaks[way]) if peaks[way] == peaks[way]
                   else "n/a", par)
@@ -172,12 +183,12 @@ def _turns(calls: dict, rounds: int, sync, gpu_dev, info: dict) -> tuple[dict, d
             info[way]["first"] = time.perf_counter() - t0
             live.append(way)
         except Exception as e:  # noqa: BLE001 - one way out of memory must not lose the others
-            if way == "native" or not (cm.is_oom(e) or "budget" in str(e).lower()):
+            if way == "native" or not _expected(e):
                 raise
-            info[way]["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            info[way]["error"] = _said(e)
             _free(gpu_dev is not None)
-    times = {way: [] for way in calls}
-    peaks = {way: float("nan") for way in calls}
+    times = {way: [] for way in WAYS}
+    peaks = {way: float("nan") for way in WAYS}
     for _ in range(rounds):
         for way in live:
             if gpu_dev is not None:
@@ -191,6 +202,17 @@ def _turns(calls: dict, rounds: int, sync, gpu_dev, info: dict) -> tuple[dict, d
                 peak = float(torch.cuda.max_memory_allocated(gpu_dev) - base)
                 peaks[way] = peak if peaks[way] != peaks[way] else max(peaks[way], peak)
     return results, times, peaks
+
+
+def _expected(e: BaseException) -> bool:
+    """Out of memory, or a layout refused by the memory budget: recorded in the row, not a failure."""
+    from nvalchemi_jaxbridge.layout.budget import LayoutBudgetError
+
+    return cm.is_oom(e) or isinstance(e, LayoutBudgetError)
+
+
+def _said(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
 
 
 def _numbers(out) -> tuple[float, float, np.ndarray]:
