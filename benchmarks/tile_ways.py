@@ -159,11 +159,11 @@ def _one(rep: cm.Report, table: cm.Table, model, dtype: str, atoms, batch, whole
                 rep.fail(f"tile ways, {n} atoms, {n_tiles} tiles: {way} differs from native ({par})")
         elif got is None:
             par = i.get("error", "failed")
-        t = cm.med(times[way])
-        table.add(n, n_tiles, way, f"{i['rows'] / n:.3f}" if i["rows"] == i["rows"] else "-", i["largest"], f"{i['layout']:.3g}",
+        t, peak, rows = cm.med(times[way]), peaks[way], i["rows"]
+        table.add(n, n_tiles, way, f"{rows / n:.3f}" if rows == rows else "-", i["largest"], f"{i['layout']:.3g}",
                   f"{i.get('first', float('nan')):.3g}", f"{t:.4g}", f"{n / t:,.0f}" if t == t else "-",
-                  cm.ratio(t, base_t) if way != "native" else "1", cm.human_bytes(peaks[way]) if peaks[way] == peaks[way]
-                  else "n/a", par)
+                  cm.ratio(t, base_t) if way != "native" else "1", cm.human_bytes(peak) if peak == peak else "n/a",
+                  par)
     del bridge, state, pos_jax, tiles, results
 
 
