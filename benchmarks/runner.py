@@ -4,6 +4,7 @@
     python -m benchmarks run md mlip --sizes mlip=108,1372 --dtype float32
     python -m benchmarks run --smoke --device cpu    # tiny sizes: checks the code paths, times nothing
     python -m benchmarks run tiles --memory-budget 60G --kernels tiles=cueq   # tiles with a budget, cuequivariance
+    python -m benchmarks run tile-ways --kernels tile-ways=1,2,4,8   # per-layer tiles beside the deep halo's
     python -m benchmarks run host --device cpu --devices 1,2,4,8   # the CPU-device proxy of host time per device
     python -m benchmarks list                        # the questions and what their options mean
     python -m benchmarks soak --kernels torch jax --steps 2500 --every 10   # the main job's memory soak
@@ -73,6 +74,9 @@ QUESTIONS: dict[str, Question] = {
     "tiles": Question("Tiles: MACE through the bridge past one GPU's memory, tiles chosen by the memory model",
                       ("tiles",), "atoms of fcc Cu/Au, 4 n^3 (default 1372,10976,55296,256000,1000188)",
                       "MACE kernels: e3nn, cueq (default e3nn)", 900.0),
+    "tile-ways": Question("Tile ways: per-layer tiles (a prototype) beside the deep-halo tiles and native MACE",
+                          ("tile_ways",), "atoms of fcc Cu/Au, 4 n^3 (default 55296)",
+                          "tile counts (default 1,2,4,8)", 150.0),
 }
 
 

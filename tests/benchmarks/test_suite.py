@@ -192,3 +192,17 @@ def test_tiles_follow_native_and_the_memory_model(smoke):
         assert r["largest tile rows / edges"].startswith(f"{r['atoms']} / ")  # one tile: the box is one halo wide
     svg = (smoke[1] / "tiles_e3nn_float64.svg").read_text()
     assert "<svg" in svg and "atom-steps" in svg
+
+
+def test_tile_ways_agree_with_native(smoke):
+    """Per-layer tiles (the prototype) and the deep-halo tiles give native MACE's numbers, at the smoke's 2 tiles."""
+    rows = _table(_text(smoke, "tile-ways"), "MACE energy + forces three ways")
+    assert [(r["atoms"], r["tiles"], r["way"]) for r in rows] == [("32", "2", w) for w in
+                                                                  ("native", "deep halo", "per layer")]
+    for r in rows[1:]:
+        de, rest = r["parity dE/E [node sums], max dF (eV/A)"].split(" [")
+        de_nodes, df = rest.split("], ")
+        assert float(de_nodes) <= 1e-9 and float(df) <= 1e-8, r  # float64, against MACE's own forward
+        assert _num(r["E+F s"]) > 0 and r["x native time (same rounds)"].endswith("x"), r
+    edges = [int(r["largest tile rows / edges"].split(" / ")[1].replace(",", "")) for r in rows[1:]]
+    assert edges[1] < edges[0]  # a per-layer tile takes its own atoms' edges; the deep halo's spans the tiny box
