@@ -195,7 +195,8 @@ class TorchDistributedMLIP:
         check_argument(memory_budget, "TorchDistributedMLIP")
         self.memory_budget = memory_budget
         self._cuda_graphs = cuda_graphs
-        self.stages: Stages | None = self._stages()  # the stages as recorded functions (None: eager)
+        capture_backend(cuda_graphs, self._model_device(), self._graphs_where())  # a bad option refused now
+        self._stages: Stages | None | bool = False  # False: not built yet (`stages`, on the rank's device)
         self._device: torch.device | None = None  # the rank's device, once checked (first evaluation)
         self._ctx: Any = None
 
@@ -277,17 +278,27 @@ class TorchDistributedMLIP:
         if self.fingerprint() != self._fingerprint:
             check_model(self.wrapper, self.exchange, self.skin, "TorchDistributedMLIP")
             self.model = StagedModel(self.wrapper)
-            self.stages = self._stages()
+            self._stages = False  # built again for the changed wrapper
             self._fingerprint = self.fingerprint()
 
-    def _stages(self) -> Stages | None:
-        """The stages recorded as graphs per `cuda_graphs` on the model's device (None: eager; `mlip.torch_graphs`)."""
+    @property
+    def stages(self) -> Stages | None:
+        """The stages as recorded functions per `cuda_graphs` on the rank's device (`mlip.torch_graphs`; None:
+        eager), built on first use (after the device check: the shape probes run the model there)."""
+        if self._stages is False:
+            device = self.device
+            backend = capture_backend(self._cuda_graphs, device, self._graphs_where())
+            self._stages = None if backend is None else Stages.of(self.wrapper, device=str(device),
+                                                                   cuda_graphs=self._cuda_graphs)
+        return self._stages
+
+    def _graphs_where(self) -> str:
+        return f"TorchDistributedMLIP: the stages of model {self.wrapper.name!r}"
+
+    def _model_device(self) -> torch.device:
+        """Where the model is now (`device=`, else a GPU of its parameters, else the CPU): for an early check."""
         devs = [self.requested_device] if self.requested_device is not None else model_devices(self.wrapper)
-        device = min((d for d in devs if d.type == "cuda"), key=str, default=torch.device("cpu"))
-        where = f"TorchDistributedMLIP: the stages of model {self.wrapper.name!r}"
-        if capture_backend(self._cuda_graphs, device, where) is None:
-            return None
-        return Stages.of(self.wrapper, device=str(device), cuda_graphs=self._cuda_graphs)
+        return min((d for d in devs if d.type == "cuda"), key=str, default=torch.device("cpu"))
 
     def _graphed(self, state: TorchState) -> bool:
         """Whether this evaluation runs the recorded stages at the layout's capacities (else today's eager path)."""

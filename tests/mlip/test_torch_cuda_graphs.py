@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from nvalchemi_jaxbridge.kernels.cuda_graphs import FakeCapture, default_backend
+from nvalchemi_jaxbridge.kernels import cuda_graphs
+from nvalchemi_jaxbridge.kernels.cuda_graphs import FakeCapture
 from nvalchemi_jaxbridge.mlip import MPNNWrapper
 from nvalchemi_jaxbridge.mlip.torch_model import TorchDistributedMLIP
 from tests.mlip import cases
@@ -112,10 +113,10 @@ def test_a_model_that_cannot_be_recorded_runs_eagerly_after_one_log_line(caplog)
 
 def test_auto_is_eager_on_the_cpu_and_true_asks_for_a_gpu():
     w = cases.wrapper("mpnn")
-    if default_backend(torch.device("cpu")) is not None:  # JAXBRIDGE_TEST_CUDA_GRAPHS=fake (tests/mlip/conftest.py)
+    if cuda_graphs.default_backend(torch.device("cpu")) is not None:  # JAXBRIDGE_TEST_CUDA_GRAPHS=fake (conftest)
         assert isinstance(TorchDistributedMLIP(w).stages.graphs.backend, FakeCapture)
-    else:
-        assert TorchDistributedMLIP(w).stages is None
+        return
+    assert TorchDistributedMLIP(w).stages is None
     with pytest.raises(ValueError, match=r"TorchDistributedMLIP: the stages of model 'mpnn': cuda_graphs=True but "
                                          r"the model's stages run on 'cpu'.*cuda_graphs=\"auto\".*or False"):
         TorchDistributedMLIP(w, cuda_graphs=True)
