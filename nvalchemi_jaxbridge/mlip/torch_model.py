@@ -12,6 +12,8 @@ sum the ghost contributions into their owners across ranks, so each rank's
 forces on its owned atoms are exact. Energy and virial are all-reduced.
 With `exchange="deep_halo"` and `tiles=`, a rank's block runs tile by tile (`mlip.torch_tiles`), and the
 halo's adjoint folds the tiles' ghost-row gradients into their owners once, after the last tile.
+With `cuda_graphs` on (a GPU rank, by default), the block runs at the layout's capacities and each stage between
+two exchanges is recorded once per set of capacities and replayed (`mlip.torch_graphs`); tiles run eagerly.
 
 Devices: every tensor of an evaluation lives on the rank's device, the front door's
 JAX device of this process as a torch device (`rank_device`: GPU `LOCAL_RANK` after
