@@ -2,6 +2,7 @@
 
     PYTHONPATH=.:/tmp/site python3 scripts/gpu_cuda_graphs.py [--sizes 3,7] [--dtypes float32,float64]
         [--models mace,mpnn] [--rounds 20] [--budget-s 360] [--torchscript on|off] [--cpu]
+    PYTHONPATH=.:/tmp/site python3 -m nvalchemi_jaxbridge.torch.launch -n 1 scripts/gpu_cuda_graphs.py --door torch
 
 Put the checkout first on the path (the mace-torch wheel ships a top-level `tests` package; nothing of
 `tests` is imported here). Cases run MACE float32 first (108 then 1,372 atoms), then MACE float64, then
@@ -23,6 +24,12 @@ cutoff, as MACE's own neighbour list) with `cuda_graphs=True` and with `cuda_gra
     wall times after 3 warm-up rounds (block_until_ready / synchronize after each call); GPU busy =
     the device time of one call under torch.profiler (kernels, copies and memsets summed; CUPTI sees
     XLA's and the replayed graphs' kernels too), mean of 5 calls.
+
+`--door torch` (under the launcher, one process): the same cases on the PyTorch door,
+`TorchDistributedMLIP(wrapper, skin=0.1, headroom=1)` with `cuda_graphs=True` / `False`: (a) energy, forces,
+stress and atomic energies (`evaluate`) at the structure and, on the same state, with every atom moved by up to
+0.02 Å (within skin/2); (b) energy + forces per call (`evaluate(state=..., stress=False, as_tensors=True)`, the
+door's structure check and exchanges included) against native MACE.
 
 Prints a markdown table at the end; exits 1 if any check fails (mismatch, no recording, an error), 0 else.
 MACE: random ScaleShiftMACE as benchmarks/mace_interleaved.py (2 layers, r_max 5 Å, hidden
@@ -203,6 +210,75 @@ def run_case(name: str, dtype: str, reps: int, a, device, gpu: bool, built: dict
     return row
 
 
+def run_torch_case(name: str, dtype: str, reps: int, a, device, gpu: bool, built: dict) -> dict:
+    """`run_case` on the PyTorch door (`TorchDistributedMLIP`, this process's rank)."""
+    import torch
+
+    from nvalchemi_jaxbridge.mlip.torch_model import TorchDistributedMLIP
+
+    tdt = getattr(torch, dtype)
+    atoms = alloy(reps)
+    label = f"torch door {name} {dtype} {len(atoms)} atoms"
+    row: dict = {"case": label, "fail": []}
+    if (name, dtype) not in built:
+        t0 = time.perf_counter()
+        built[name, dtype] = build_model(name, tdt, device, a.torchscript == "on")
+        say(f"  [{label}] model built ({time.perf_counter() - t0:.1f} s)")
+    wrapper, native = built[name, dtype]
+    if gpu:
+        graphs = True
+    else:
+        from nvalchemi_jaxbridge.kernels.cuda_graphs import FakeCapture
+
+        graphs = FakeCapture()
+    kw = dict(skin=0.1, headroom=1.0)
+    graphed = TorchDistributedMLIP(wrapper, cuda_graphs=graphs, **kw)
+    eager = TorchDistributedMLIP(wrapper, cuda_graphs=False, **kw)
+    args = (atoms.numbers, atoms.cell.array, atoms.pbc)
+    sg, se = graphed.prepare(atoms.positions, *args), eager.prepare(atoms.positions, *args)
+    rng = np.random.default_rng(1)
+    geometries = [atoms.positions, atoms.positions + rng.uniform(-0.02, 0.02, atoms.positions.shape)]
+    for k, pos in enumerate(geometries):  # (a) graphed == eager, at two sets of values on one layout
+        t0 = time.perf_counter()
+        got = graphed.evaluate(pos, *args, state=sg)
+        t_first = time.perf_counter() - t0
+        want = eager.evaluate(pos, *args, state=se)
+        errs = {key: rel_err(got[key], want[key]) for key in ("energy", "forces", "stress", "atomic_energies")}
+        bad = [f"{key} {e:.1e}" for key, e in errs.items() if not e <= TOL[dtype]]
+        what = "structure" if k == 0 else "moved atoms (replay on new values)"
+        say(f"  [{label}] CHECK graphed vs eager at the {what}: " + ", ".join(f"{key} {e:.1e}" for key, e in errs.items())
+            + (f" (first graphed call {t_first:.1f} s, recording included)" if k == 0 else ""))
+        if bad:
+            row["fail"].append(f"graphed != eager at the {what}: {', '.join(bad)} > {TOL[dtype]:g}")
+    g = None if graphed.stages is None else graphed.stages.graphs
+    if g is None or g.off is not None or g.captures == 0:
+        row["fail"].append("the stages were not recorded: " + ("no backend" if g is None else str(g.off)))
+    else:
+        say(f"  [{label}] recordings {g.captures}, replays {g.replays}, eager backwards {g.eager_backwards}")
+    sync_t = (lambda _: torch.cuda.synchronize(device)) if gpu else (lambda _: None)
+    runs = {"graphs": (lambda: graphed.evaluate(atoms.positions, *args, state=sg, stress=False, as_tensors=True),
+                       sync_t),
+            "eager": (lambda: eager.evaluate(atoms.positions, *args, state=se, stress=False, as_tensors=True),
+                      sync_t)}
+    if native is not None:
+        from nvalchemi_jaxbridge.mlip.mace import mace_input
+
+        batch = mace_input(native, atoms, dtype=tdt, device=device)
+        runs["native"] = (lambda: native(batch, training=False, compute_force=True), sync_t)
+    row.update(interleaved(runs, warmup=3, rounds=a.rounds))
+    say(f"  [{label}] TIME ms per E+F: " + ", ".join(f"{k} {row[k]:.2f}" for k in runs))
+    if gpu:
+        for k in runs:
+            try:
+                row[f"busy_{k}"] = gpu_busy_ms(*runs[k])
+            except Exception as e:  # noqa: BLE001 - a profiler problem is reported, not a failed check
+                say(f"  [{label}] profiler failed for {k}: {type(e).__name__}: {e}")
+    del graphed, eager
+    if gpu:
+        torch.cuda.empty_cache()
+    return row
+
+
 def fmt(x) -> str:
     return "-" if x is None or x != x else f"{x:.2f}"
 
@@ -230,6 +306,8 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=360.0, help="start no case after this many seconds")
     p.add_argument("--torchscript", choices=("on", "off"), default="on", help="e3nn's TorchScript (MACE)")
     p.add_argument("--cpu", action="store_true", help="a dry run on the CPU (FakeCapture instead of CUDA graphs)")
+    p.add_argument("--door", choices=("jax", "torch"), default="jax",
+                   help="the bridge timed: DistributedMLIP (jax) or TorchDistributedMLIP (torch; under the launcher)")
     a = p.parse_args()
     t_start = time.perf_counter()
     if a.torchscript == "off":
@@ -240,6 +318,10 @@ def main() -> int:
     gpu = torch.cuda.is_available() and not a.cpu
     if not gpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
+    if a.door == "torch":  # this process is the front door's rank (GPU LOCAL_RANK)
+        from nvalchemi_jaxbridge.torch import distributed
+
+        distributed.initialize(platform=None if gpu else "cpu", timeout_s=120)
     import jax
 
     jax.config.update("jax_enable_x64", True)
@@ -266,7 +348,7 @@ def main() -> int:
         say(f"case {label} ...")
         t0 = time.perf_counter()
         try:
-            row = run_case(name, dtype, reps, a, device, gpu, built)
+            row = (run_torch_case if a.door == "torch" else run_case)(name, dtype, reps, a, device, gpu, built)
         except Exception as e:  # noqa: BLE001 - one case's failure is reported and the next case runs
             first = (str(e).strip().splitlines() or [""])[0][:300]
             row = {"case": label, "fail": [f"{type(e).__name__}: {first}"]}
@@ -276,7 +358,9 @@ def main() -> int:
         say(f"{'FAIL' if row['fail'] else 'PASS'} {label} ({time.perf_counter() - t0:.0f} s)"
             + (": " + "; ".join(row["fail"]) if row["fail"] else ""))
     say("\n### Energy + forces per call, CUDA graphs on vs off (one GPU, same run)\n")
-    say(f"{versions}; bridges: DistributedMLIP(n_devices=1, skin=0, headroom=1), cuda_graphs=True / False; "
+    bridge = ("TorchDistributedMLIP(skin=0.1, headroom=1)" if a.door == "torch"
+              else "DistributedMLIP(n_devices=1, skin=0, headroom=1)")
+    say(f"{versions}; bridges: {bridge}, cuda_graphs=True / False; "
         f"median of {a.rounds} interleaved rounds; GPU busy: torch.profiler device time per call (mean of 5)\n")
     say(table(rows))
     for label in not_run:

@@ -41,14 +41,14 @@ from ..spec import DistributionSpec
 from .edges import EdgePlan
 from .guards import explain
 from .memory import model_budget, tables_budget
-from .model_layout import ModelState, active_edges, build_layout, halo_depth
+from .model_layout import ModelState, active_edges, build_layout, halo_depth, padding_length
 from .tiled import tile_arrays, tiled_node_energies
 from . import tile_choice
 from .memory_probe import ModelCost, probe_cost
 from .tiles import TilePlan, check_tiles, refuse_tiles
 from .protocol import MessagePassingWrapper, numpy_dtype
 from .specs import RunSettings, cell_volume, check_model, run_settings, stress_wanted
-from .stages import Stages
+from .stages import Stages, run_stages
 from .state_check import (fingerprint_change, needs_replan, new_token, require_current, state_for_call,
                           wrapper_fingerprint)
 
@@ -296,7 +296,7 @@ class DistributedMLIP:
                         "positions) (halo_energy_fn: nbrs = neighbor_fn.allocate(R, nbrs))")
         cs, w = state.cs, self.wrapper
         axis, policy, deep = cs.axis, self.settings.policy, self.exchange == "deep_halo"
-        far = 3.0 * (w.cutoff + self.skin) + 1.0
+        far = padding_length(w.cutoff, self.skin)
         # Per layer, only the owned rows receive edges (EdgePlan receivers="owned").
         st = self.stages.for_receivers(None if deep else cs.tables.owned_capacity)
 
@@ -310,18 +310,8 @@ class DistributedMLIP:
             graph = (pos_h, attrs_h, e_idx, shifts)
             if tiles is not None:  # the deep halo's block, tile by tile
                 node_e = tiled_node_energies(st.whole, pos_h, shifts, attrs_h, e_idx[:, 0] != spare, tiles, far)
-            elif deep or st.first is None:  # the whole model as one op (deep halo, or a single layer)
-                node_e = st.whole(*graph)
-            else:
-                out = st.first(*graph)  # edge features (once, for every layer), layer 0's h and energy term
-                n_ef = st.n_edge_features
-                ef, h, acc = out[:n_ef], out[n_ef:-1], out[-1]
-                for op in st.middle:
-                    h = tuple(between_layers(x, t, axis, policy) for x in h)
-                    out = op(*graph, *ef, *h)
-                    h, acc = out[:-1], acc + out[-1]
-                h = tuple(between_layers(x, t, axis, policy) for x in h)
-                node_e = st.last(*graph, *ef, *h, acc)
+            else:  # the whole model as one op (deep halo, or a single layer), or layer by layer
+                node_e = run_stages(st, graph, lambda x: between_layers(x, t, axis, policy), whole=deep)
             own = C.slice_owned(node_e, t)
             return jax.lax.psum(jnp.sum(own), axis), own
 

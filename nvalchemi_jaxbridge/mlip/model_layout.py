@@ -106,6 +106,11 @@ def active_edges(pos: jax.Array, edges: jax.Array, shift: jax.Array, spare: jax.
     return out.astype(jnp.int32), shift
 
 
+def padding_length(cutoff: float, skin: float) -> float:
+    """Length (Å) of a padding edge's shift: past every cutoff of the block, so its messages are zero."""
+    return 3.0 * (cutoff + skin) + 1.0
+
+
 def halo_depth(wrapper: MessagePassingWrapper, exchange: str) -> float:
     """Halo width without skin: one cutoff (per-layer exchange) or n_layers cutoffs (deep halo)."""
     return wrapper.cutoff if exchange == "per_layer" else wrapper.n_layers * wrapper.cutoff

@@ -25,11 +25,14 @@ shape is: `Stages.for_receivers` defines one set per count.
 On a GPU each op's body is recorded as CUDA graphs once per set of input shapes and
 dtypes (its capacities) and replayed from then on (`kernels.cuda_graphs`; the
 `cuda_graphs` option of `Stages.of`); a model that cannot be recorded runs eagerly.
+The PyTorch door runs the same bodies as torch functions (`Stages.for_torch`), its
+refresh between them (`run_stages` is the loop of both doors).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -84,9 +87,10 @@ def _n_edge_features(wrapper: MessagePassingWrapper, device: torch.device) -> in
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StageOps:
-    """The stage ops of one wrapper for blocks of one receiver count (JAX callables on local arrays).
+    """The stage ops of one wrapper for blocks of one receiver count: JAX callables on local arrays (the JAX
+    door), or torch functions of tensors (`stage_functions`, the PyTorch door).
 
-    `first`, `middle` and `last` are None with one layer (`whole` is the model then).
+    `first` and `last` are None with one layer (`whole` is the model then); `labels[i]` names layer i's op.
     """
 
     first: Any
@@ -94,6 +98,7 @@ class StageOps:
     last: Any
     whole: Any
     n_edge_features: int
+    labels: tuple[str, ...] = ()
 
     def named(self) -> list[tuple[str, Any]]:
         """`(name, op)` of the per-layer ops in program order (`whole` alone with one layer)."""
@@ -118,7 +123,8 @@ class Stages:
     n_edge_features: int
     graphs: StageGraphs | None = None  # recording as CUDA graphs (None: the ops run eagerly)
     _sets: dict[int | None, StageOps] = dataclasses.field(default_factory=dict)
-    #: the wrapper on each device the ops run on (a copy where its weights live elsewhere: mlip.replicas)
+    _torch_sets: dict[int | None, StageOps] = dataclasses.field(default_factory=dict)
+    #: the wrapper on each device the stages run on (a copy where its weights live elsewhere: mlip.replicas)
     replicas: WrapperReplicas = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -153,50 +159,35 @@ class Stages:
         """The op sets made so far (for reports)."""
         return list(self._sets.values())
 
+    def for_torch(self, n_receivers: int | None) -> StageOps:
+        """The stages as torch functions of tensors for the PyTorch door (recorded where `graphs` is on), made once."""
+        if n_receivers not in self._torch_sets:
+            self._torch_sets[n_receivers] = self._functions(n_receivers, "the PyTorch door")
+        return self._torch_sets[n_receivers]
+
+    def _functions(self, n_receivers: int | None, door: str) -> StageOps:
+        """`stage_functions`, each wrapped by `graphs` (recorded and replayed) where it is on."""
+        fns = stage_functions(self.wrapper, self.n_features, self.n_edge_features, n_receivers, door,
+                              on=lambda t: self.replicas.on(t.device, check=False))
+        if self.graphs is None:
+            return fns
+        name = self.wrapper.name
+
+        def wrap(fn: Any, label: str) -> Any:  # the first op of an evaluation checks the weights' storage
+            return None if fn is None else self.graphs.wrap(fn, f"{name}_{label}",
+                                                            checks_weights=label in ("layer_0", "whole"))
+
+        return dataclasses.replace(fns, first=wrap(fns.first, "layer_0"), last=wrap(fns.last, fns.labels[-1]),
+                                   middle=tuple(wrap(f, f"layer_{i + 1}") for i, f in enumerate(fns.middle)),
+                                   whole=wrap(fns.whole, "whole"))
+
     def _define(self, n_receivers: int | None) -> StageOps:
         wrapper, n, n_edge, call_path = self.wrapper, self.n_features, self.n_edge_features, self.call_path
-        name, n_layers, replicas = wrapper.name, wrapper.n_layers, self.replicas
+        name, fns, replicas = wrapper.name, self._functions(n_receivers, "the JAX door"), self.replicas
 
-        def on(t: torch.Tensor) -> MessagePassingWrapper:  # the wrapper with its weights on t's device
-            return replicas.on(t.device, check=False)
-
-        def graph(pos, attrs, edges, shifts, edge_features=None) -> BlockGraph:
-            return block_graph(pos, attrs, edges, shifts, n_receivers, edge_features)
-
-        def stage(label: str) -> str:
-            return f"'{name}_{label}' of the JAX door"
-
-        def layer(i: int, g: BlockGraph, h: tuple[Any, ...], where: str) -> tuple[tuple[Any, ...], Any]:
-            h_new, e = contract.interaction(on(g.positions), i, g, h if n > 1 else h[0], where, n)
-            return as_tuple(h_new), e
-
-        def first(*arrays):
-            where, w = stage("layer_0"), on(arrays[0])
-            g = with_edge_features(w, graph(*arrays), where)
-            h, e = layer(0, g, as_tuple(contract.embed(w, g, where)), where)
-            return (*(g.edge_features or ()), *h, e)
-
-        def middle(i: int):
-            def fn(pos, attrs, edges, shifts, *rest):
-                ef, h = rest[:n_edge], rest[n_edge:]
-                h, e = layer(i, graph(pos, attrs, edges, shifts, ef if n_edge else None), h, stage(f"layer_{i}"))
-                return (*h, e)
-            return fn
-
-        def last(pos, attrs, edges, shifts, *rest):
-            ef, h, earlier = rest[:n_edge], rest[n_edge:-1], rest[-1]
-            g = graph(pos, attrs, edges, shifts, ef if n_edge else None)
-            where = stage(f"layer_{n_layers - 1}")
-            _, e = layer(n_layers - 1, g, h, where)
-            return contract.node_energies(on(pos), g, earlier + e, where)
-
-        def whole(*arrays):
-            return node_energies_of(on(arrays[0]), graph(*arrays), stage("whole"))
-
-        def op(fn, n_in: int, n_out: int, label: str) -> Any:
-            record = contract.ShapeRecord(wrapper, stage(label))
+        def op(run, n_in: int, n_out: int, label: str) -> Any:
+            record = contract.ShapeRecord(wrapper, f"'{name}_{label}' of the JAX door")
             first_op = label in ("layer_0", "whole")  # the first op of a program
-            run = fn if self.graphs is None else self.graphs.wrap(fn, f"{name}_{label}", checks_weights=first_op)
 
             def checked(*arrays):
                 replicas.on(arrays[0].device, check=first_op)  # outside any recording: copies follow the weights
@@ -206,11 +197,84 @@ class Stages:
 
             return torch_function(checked, n_in, n_out, label=f"{name}_{label}", call_path=call_path)
 
-        staged = n_layers > 1
+        staged = fns.first is not None
         return StageOps(
-            first=op(first, 4, n_edge + n + 1, "layer_0") if staged else None,
-            middle=tuple(op(middle(i), 4 + n_edge + n, n + 1, f"layer_{i}") for i in range(1, n_layers - 1)),
-            last=op(last, 4 + n_edge + n + 1, 1, f"layer_{n_layers - 1}") if staged else None,
-            whole=op(whole, 4, 1, "whole"),
+            first=op(fns.first, 4, n_edge + n + 1, "layer_0") if staged else None,
+            middle=tuple(op(f, 4 + n_edge + n, n + 1, f"layer_{i + 1}") for i, f in enumerate(fns.middle)),
+            last=op(fns.last, 4 + n_edge + n + 1, 1, fns.labels[-1]) if staged else None,
+            whole=op(fns.whole, 4, 1, "whole"),
             n_edge_features=n_edge,
+            labels=fns.labels,
         )
+
+
+def stage_functions(wrapper: MessagePassingWrapper, n_features: int, n_edge_features: int,
+                    n_receivers: int | None, door: str,
+                    on: Callable[[torch.Tensor], MessagePassingWrapper] | None = None) -> StageOps:
+    """A wrapper's stages as torch functions of tensors (the bodies of the stage ops; see the module docstring).
+
+    Each takes the four graph tensors, then its own (the table above), and returns a tensor or a
+    tuple of them; `door` names the caller in the wrapper's errors. `on(t)`: the wrapper to run on
+    `t`'s device (`WrapperReplicas.on`; default: `wrapper` itself).
+    """
+    n, n_edge = n_features, n_edge_features
+    name, n_layers = wrapper.name, wrapper.n_layers
+    if on is None:
+        def on(t: torch.Tensor) -> MessagePassingWrapper:
+            return wrapper
+
+    def graph(pos, attrs, edges, shifts, edge_features=None) -> BlockGraph:
+        return block_graph(pos, attrs, edges, shifts, n_receivers, edge_features)
+
+    def stage(label: str) -> str:
+        return f"'{name}_{label}' of {door}"
+
+    def layer(i: int, g: BlockGraph, h: tuple[Any, ...], where: str) -> tuple[tuple[Any, ...], Any]:
+        h_new, e = contract.interaction(on(g.positions), i, g, h if n > 1 else h[0], where, n)
+        return as_tuple(h_new), e
+
+    def first(*arrays):
+        where, w = stage("layer_0"), on(arrays[0])
+        g = with_edge_features(w, graph(*arrays), where)
+        h, e = layer(0, g, as_tuple(contract.embed(w, g, where)), where)
+        return (*(g.edge_features or ()), *h, e)
+
+    def middle(i: int):
+        def fn(pos, attrs, edges, shifts, *rest):
+            ef, h = rest[:n_edge], rest[n_edge:]
+            h, e = layer(i, graph(pos, attrs, edges, shifts, ef if n_edge else None), h, stage(f"layer_{i}"))
+            return (*h, e)
+        return fn
+
+    def last(pos, attrs, edges, shifts, *rest):
+        ef, h, earlier = rest[:n_edge], rest[n_edge:-1], rest[-1]
+        g = graph(pos, attrs, edges, shifts, ef if n_edge else None)
+        where = stage(f"layer_{n_layers - 1}")
+        _, e = layer(n_layers - 1, g, h, where)
+        return contract.node_energies(on(pos), g, earlier + e, where)
+
+    def whole(*arrays):
+        return node_energies_of(on(arrays[0]), graph(*arrays), stage("whole"))
+
+    staged = n_layers > 1
+    return StageOps(first=first if staged else None, middle=tuple(middle(i) for i in range(1, n_layers - 1)),
+                    last=last if staged else None, whole=whole, n_edge_features=n_edge,
+                    labels=tuple(f"layer_{i}" for i in range(n_layers)))
+
+
+def run_stages(ops: StageOps, graph: tuple[Any, ...], between: Callable[[Any], Any], *, whole: bool = False) -> Any:
+    """Node energies of the block `graph` through `ops`: per layer, with `between` (the refresh of one node feature)
+    applied to the features between layers; or `ops.whole` alone (`whole`, or one layer).
+
+    The loop both doors run: the JAX door on stage ops, `between` an XLA exchange; the PyTorch door on
+    torch functions, `between` the front door's refresh.
+    """
+    if whole or ops.first is None:
+        return ops.whole(*graph)
+    out = ops.first(*graph)  # edge features (once, for every layer), layer 0's h and energy term
+    n_ef = ops.n_edge_features
+    ef, h, acc = tuple(out[:n_ef]), tuple(out[n_ef:-1]), out[-1]
+    for op in ops.middle:
+        out = op(*graph, *ef, *(between(x) for x in h))
+        h, acc = tuple(out[:-1]), acc + out[-1]
+    return ops.last(*graph, *ef, *(between(x) for x in h), acc)

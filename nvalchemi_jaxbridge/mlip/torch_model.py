@@ -12,6 +12,8 @@ sum the ghost contributions into their owners across ranks, so each rank's
 forces on its owned atoms are exact. Energy and virial are all-reduced.
 With `exchange="deep_halo"` and `tiles=`, a rank's block runs tile by tile (`mlip.torch_tiles`), and the
 halo's adjoint folds the tiles' ghost-row gradients into their owners once, after the last tile.
+With `cuda_graphs` on (a GPU rank, by default), the block runs at the layout's capacities and each stage between
+two exchanges is recorded once per set of capacities and replayed (`mlip.torch_graphs`); tiles run eagerly.
 
 Devices: every tensor of an evaluation lives on the rank's device, the front door's
 JAX device of this process as a torch device (`rank_device`: GPU `LOCAL_RANK` after
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..kernels.cuda_graphs import capture_backend
 from ..layout import HaloPlan
 from ..lower.finite import check_results
 from ..lower import exchange as X
@@ -45,6 +48,8 @@ from .memory import check_argument, model_budget, tables_budget
 from .memory_probe import ModelCost, probe_cost
 from .tile_choice import TileChoice, layout_tiles
 from .tiles import TilePlan, check_tiles, refuse_tiles
+from .stages import Stages
+from .torch_graphs import capacity_inputs, graphed_node_energies
 from .torch_tiles import rank_tiles, tiled_node_energies
 from .torch_device import _normalized, rank_device as rank_device, torch_device as torch_device
 from .torch_device import model_devices as model_devices, wrapper_modules as wrapper_modules
@@ -118,6 +123,15 @@ class TorchDistributedMLIP:
             `initialize()` on a GPU machine, else `cpu`). A device (`"cuda"` is the current
             one, which `initialize()` sets to `LOCAL_RANK`): the wrapper's modules are moved
             there now (`module.to(device)`); it must be the rank's device.
+        cuda_graphs: as for `DistributedMLIP`: "auto" (default: on where the model is on a GPU at
+            construction, for blocks of at most `kernels.cuda_graphs.AUTO_MAX_ROWS` rows), True (a GPU
+            is required) or False (eager), or a capture backend (`FakeCapture()` in tests). On, the
+            block runs at the layout's static capacities (`mlip.torch_graphs`) and each stage between
+            two exchanges (edge features + embed + layer 0, each later layer, the last one + node
+            energies) is recorded as CUDA graphs once per set of capacities and replayed from then
+            on; the refreshes between them stay eager. A model that cannot be recorded runs eagerly
+            after one logged warning; the numbers are the same either way. Tiles (`tiles=` other than
+            1) run eagerly.
 
     Every rank passes the same global structure; results are global arrays on
     every rank (per-atom outputs listed in the spec's `owned_only_outputs`:
@@ -131,7 +145,8 @@ class TorchDistributedMLIP:
 
     Raises:
         ValueError: (first evaluation) the model's parameters are not on the rank's
-            device, or `device=` is not the rank's device.
+            device, or `device=` is not the rank's device; (construction) `cuda_graphs=True`
+            with the model on the CPU, or an unknown `cuda_graphs`.
 
     Example:
         >>> initialize()                                        # under launch / torchrun / srun
@@ -154,12 +169,17 @@ class TorchDistributedMLIP:
                     "for its own exchanges); leave spec=None."
                 )
             refuse_tiles(kwargs, "TorchDistributedMLIP")
+            if kwargs.pop("cuda_graphs", "auto") not in ("auto", False):
+                raise ValueError(
+                    "TorchDistributedMLIP: an ML-IAP model runs its own forward eagerly (CUDA graphs record a "
+                    "wrapper's stages); leave cuda_graphs out."
+                )
             return TorchMLIAP(wrapper, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, wrapper: MessagePassingWrapper, *, spec: Any = None, exchange: str = "per_layer",
                  skin: float = 0.5, headroom: float = 1.2, device: Any = None, memory_budget: float | None = None,
-                 tiles: int | str = 1) -> None:
+                 tiles: int | str = 1, cuda_graphs: Any = "auto") -> None:
         check_model(wrapper, exchange, skin, "TorchDistributedMLIP")
         self.tiles = check_tiles(tiles, exchange, "TorchDistributedMLIP")
         self.model_cost: ModelCost | None = None  # tiles="auto": the model's measured memory cost
@@ -176,6 +196,9 @@ class TorchDistributedMLIP:
                 module.to(self.requested_device)
         check_argument(memory_budget, "TorchDistributedMLIP")
         self.memory_budget = memory_budget
+        self._cuda_graphs = cuda_graphs
+        capture_backend(cuda_graphs, self._model_device(), self._graphs_where())  # a bad option refused now
+        self._stages: Stages | None | bool = False  # False: not built yet (`stages`, on the rank's device)
         self._device: torch.device | None = None  # the rank's device, once checked (first evaluation)
         self._ctx: Any = None
 
@@ -257,7 +280,33 @@ class TorchDistributedMLIP:
         if self.fingerprint() != self._fingerprint:
             check_model(self.wrapper, self.exchange, self.skin, "TorchDistributedMLIP")
             self.model = StagedModel(self.wrapper)
+            self._stages = False  # built again for the changed wrapper
             self._fingerprint = self.fingerprint()
+
+    @property
+    def stages(self) -> Stages | None:
+        """The stages as recorded functions per `cuda_graphs` on the rank's device (`mlip.torch_graphs`; None:
+        eager), built on first use (after the device check: the shape probes run the model there)."""
+        if self._stages is False:
+            device = self.device
+            backend = capture_backend(self._cuda_graphs, device, self._graphs_where())
+            self._stages = None if backend is None else Stages.of(self.wrapper, device=str(device),
+                                                                   cuda_graphs=self._cuda_graphs)
+        return self._stages
+
+    def _graphs_where(self) -> str:
+        return f"TorchDistributedMLIP: the stages of model {self.wrapper.name!r}"
+
+    def _model_device(self) -> torch.device:
+        """Where the model is now (`device=`, else a GPU of its parameters, else the CPU): for an early check."""
+        devs = [self.requested_device] if self.requested_device is not None else model_devices(self.wrapper)
+        return min((d for d in devs if d.type == "cuda"), key=str, default=torch.device("cpu"))
+
+    def _graphed(self, state: TorchState) -> bool:
+        """Whether this evaluation runs the recorded stages at the layout's capacities (else today's eager path)."""
+        g = None if self.stages is None else self.stages.graphs
+        return (g is not None and g.off is None and state.tiles is None
+                and (g.max_rows is None or state.plan.halo_rows <= g.max_rows))
 
     # ---------------------------------------------------------------- layout
 
@@ -334,7 +383,11 @@ class TorchDistributedMLIP:
         self._ctx = ctx
         n_own = ctx.n_owned
         dtype = self.wrapper.dtype
-        parked, edges, shift, attrs = self._uploaded(state, ctx, dev, dtype)
+        graphed = self._graphed(state)
+        if graphed:  # the layout's capacities: the same shapes for every layout of equal capacities
+            parked, edges, shift, spare, attrs = capacity_inputs(state, ctx, self.wrapper, dev, dtype)
+        else:
+            parked, edges, shift, attrs = self._uploaded(state, ctx, dev, dtype)
         pos_owned = torch.tensor(pos[ctx.owned_ids()], dtype=dtype, device=dev, requires_grad=True)
         pos_h = F.halo_from_owned(ctx, pos_owned, positions=True)
         block = torch.cat([pos_h, parked])
@@ -350,6 +403,11 @@ class TorchDistributedMLIP:
             if state.tiles is not None:  # the deep halo's block, tile by tile
                 node_e = tiled_node_energies(self.model, block, attrs, shift, self._kept(block, edges, shift),
                                              self._rank_tiles(state, ctx, dev))
+            elif graphed:
+                node_e = graphed_node_energies(
+                    self.stages, block, attrs, edges, shift, spare, skin=self.skin,
+                    n_receivers=ctx.owned_capacity if self.exchange == "per_layer" else None,
+                    between=lambda x: self._refresh(x, s.policy))
             else:
                 node_e = self.model(self._graph(block, attrs, edges, shift,
                                                 n_receivers=n_own if self.exchange == "per_layer" else None))

@@ -2,7 +2,9 @@
 
     python -m nvalchemi_jaxbridge.torch.launch -n 2 tests/mlip/torch_worker.py OUT_DIR [CASES]
 
-CASES is a comma-separated list of `model:structure:exchange[:tiles]` (default: `RUNS[world size]`).
+CASES is a comma-separated list of `model:structure:exchange[:tiles|:graphs]` (default: `RUNS[world size]`);
+":graphs": the stages recorded and replayed by `FakeCapture` (`cuda_graphs=`), then a second geometry on the
+same layout, graphed and eager, with the recording counts (GRAPHS_CASE).
 Writes OUT_DIR/rank<k>.json with what this rank computed for each case; the
 pytest side (tests/mlip/test_torch_door.py) compares it against a single-device
 reference. Nothing here asserts results. In the suite it runs inside the shared
@@ -23,13 +25,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 ALL_RUNS = {  # both exchanges, both world sizes; MACE once, on 2 ranks (importing and running it dominates a
     # launch, and 4 ranks share 2 cores in CI; the JAX door runs MACE on 4 and 8 devices)
     # "half:deep_halo:3": each rank's block in 3 tiles, rank 1's owning no atom (mlip/torch_tiles.py)
-    2: ["mpnn:triclinic:per_layer", "mpnn:slab:deep_halo", "mace:slab:per_layer", "mpnn:half:deep_halo:3"],
+    2: ["mpnn:triclinic:per_layer", "mpnn:slab:deep_halo", "mace:slab:per_layer", "mpnn:half:deep_halo:3",
+        "mpnn:triclinic:per_layer:graphs"],
     4: ["mpnn:half:per_layer", "mpnn:cubic:deep_halo"],
 }
 HAVE_MACE = importlib.util.find_spec("mace") is not None
 RUNS = {w: [c for c in cs if HAVE_MACE or not c.startswith("mace:")] for w, cs in ALL_RUNS.items()}
 NO_STRESS_CASE = "mpnn:triclinic:per_layer"  # also run with evaluate(stress=False) and as_tensors=True
 DEVICES = "devices"  # key of a case's result: the rank's device, the model's, and each stage input's
+GRAPHS_CASE = "mpnn:triclinic:per_layer:graphs"  # its eager twin is NO_STRESS_CASE
 MACE_PT = "mace.pt"  # rank 0's copy of the test MACE in OUT_DIR; the pytest side checks it is the reference's
 
 
@@ -50,6 +54,24 @@ def _share_mace(out_dir: pathlib.Path, rank: int) -> None:
     os.environ[cases.MACE_FILE] = str(path)
 
 
+def _second_geometry(results: dict, case: str, dm, atoms) -> None:
+    """`case:moved` (graphed) and `case:moved_eager`: every atom moved by up to 0.1 Å (within skin/2); and the
+    recording counts after both evaluations."""
+    import numpy as np
+
+    from nvalchemi_jaxbridge.mlip.torch_model import TorchDistributedMLIP
+
+    pos = atoms.positions + np.random.default_rng(5).uniform(-0.1, 0.1, size=atoms.positions.shape)
+    state = dm.prepare(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
+    eager = TorchDistributedMLIP(dm.wrapper, exchange=dm.exchange, cuda_graphs=False)
+    for key, model, st in ((":moved", dm, state), (":moved_eager", eager, None)):
+        out = model.evaluate(pos, atoms.numbers, atoms.cell.array, atoms.pbc, state=st)
+        results[case + key] = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in out.items()}
+    g = dm.stages.graphs
+    results[case]["graphs"] = {"captures": g.captures, "replays": g.replays, "off": g.off,
+                               "eager_backwards": g.eager_backwards, "stages": dm.wrapper.n_layers}
+
+
 def main() -> None:
     from nvalchemi_jaxbridge.torch import distributed
 
@@ -59,6 +81,7 @@ def main() -> None:
 
     jax.config.update("jax_enable_x64", True)
 
+    from nvalchemi_jaxbridge.kernels.cuda_graphs import FakeCapture
     from nvalchemi_jaxbridge.mlip.protocol import MessagePassingWrapper
     from nvalchemi_jaxbridge.mlip.torch_model import TorchDistributedMLIP, model_devices
     from tests.mlip import cases
@@ -70,18 +93,22 @@ def main() -> None:
         _share_mace(out_dir, info.rank)
     results = {}
     for case in names:
-        model_name, structure, exchange, *tiles = case.split(":")
+        model_name, structure, exchange, *extra = case.split(":")
+        graphs = extra == ["graphs"]
         wrapper = cases.wrapper(model_name)
         if isinstance(wrapper, MessagePassingWrapper):  # the same wrapper, noting where each stage's inputs are
             wrapper = recording(wrapper)
         atoms = cases.structure(structure)
         t0 = time.perf_counter()
-        dm = TorchDistributedMLIP(wrapper, exchange=exchange, tiles=int(tiles[0]) if tiles else 1)
+        dm = TorchDistributedMLIP(wrapper, exchange=exchange, tiles=int(extra[0]) if extra and not graphs else 1,
+                                  cuda_graphs=FakeCapture() if graphs else False)
         out = dm.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
         results[case] = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in out.items()}
         if hasattr(wrapper, "seen"):
             results[case][DEVICES] = {"rank": str(dm.device), "model": sorted(map(str, model_devices(wrapper))),
                                       "stages": stage_devices(wrapper)}
+        if graphs:  # a second geometry on the same layout: replayed, and eagerly for comparison
+            _second_geometry(results, case, dm, atoms)
         if case == NO_STRESS_CASE:  # the same evaluation without the strain derivative, and as torch tensors
             out = dm.evaluate(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc, stress=False)
             results[case + ":no_stress"] = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in out.items()}
