@@ -77,6 +77,9 @@ def check(name: str, dtype: str) -> list[str]:
 
 
 def main() -> int:
+    import jax
+
+    jax.config.update("jax_enable_x64", True)  # the MPNN runs in float64
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="mpnn,mace")
     opt = p.parse_args()
