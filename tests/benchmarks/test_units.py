@@ -311,8 +311,9 @@ def test_host_weak_system_gives_every_device_one_cube(n, per_device):
     np.testing.assert_array_equal(plan.n_owned, np.full(n, per_device))  # 32 and 108 are 4 b^3
 
 
-def _chunk(n, start, step, *, compiles=0, calls=2, cpu=1e-3, backwards=0):
-    """A chunk of `n` steps whose every step takes `step` s (program 0.8, dispatch 0.1 of it)."""
+def _chunk(n, start, step, *, compiles=0, calls=2, cpu=1e-3, backwards=0, inline=0.0):
+    """A chunk of `n` steps whose every step takes `step` s (program 0.8, dispatch 0.1 of it); `inline`: the
+    share of the stage ops' CPU run on the dispatching thread."""
     import collections
 
     per_op = collections.Counter({"m_layer_0": calls * n})
@@ -321,7 +322,7 @@ def _chunk(n, start, step, *, compiles=0, calls=2, cpu=1e-3, backwards=0):
     cost = collections.Counter({k: cpu * v / (calls + backwards) for k, v in per_op.items()})
     wall = collections.Counter({k: 2 * v for k, v in cost.items()})
     return host.Chunk(n, start, start + 0.1 * step * n, start + 0.8 * step * n, 0.05 * step * n, compiles,
-                      per_op, wall, cost)
+                      per_op, wall, cost, collections.Counter({k: inline * v for k, v in cost.items()}))
 
 
 @hypothesis.settings(max_examples=20)
@@ -339,6 +340,11 @@ def test_host_summary_takes_the_chunks_that_compiled_nothing(ns, step, devices, 
     assert r.dispatch == pytest.approx(0.1 * step) and r.dispatch_cpu == pytest.approx(0.05 * step)
     assert r.calls == pytest.approx(2 * devices) and r.backwards == pytest.approx(backwards)
     assert r.op_cpu == pytest.approx(1e-3) and r.op_wall == pytest.approx(2e-3)
-    assert r.host == pytest.approx((1e-3 + 0.05 * step) / devices)
+    assert r.host == pytest.approx((1e-3 + 0.05 * step) / devices) and r.op_inline == 0
+    # bodies run on the dispatching thread are inside its CPU time already: counted once
+    half = [chunks[0], chunks[1]] + [_chunk(c.n, c.start, step, calls=2 * devices, backwards=backwards, inline=0.5)
+                                     for c in chunks[2:]]
+    r2 = host.summarise(half, t, devices, 10, 2, np.zeros((10, 3)))
+    assert r2.op_inline == pytest.approx(0.5e-3) and r2.host == pytest.approx((0.5e-3 + 0.05 * step) / devices)
     with pytest.raises(RuntimeError, match=r"every chunk of the run on 3 devices compiled; give more --steps"):
         host.summarise(chunks[:2], 77.0, 3, 10, 2, np.zeros((10, 3)))
