@@ -99,6 +99,11 @@ def _size(rep: cm.Report, table: cm.Table, model, kernel: str, dtype: str, n: in
 
     gpu = opt.platform == "gpu"
     atoms = atoms_of(n)
+    where = f"tiles {kernel} {dtype}, {len(atoms)} atoms"
+
+    def phase(text: str) -> None:  # where a long size spends its time, as it goes
+        print(f"[{time.strftime('%H:%M:%S')}] {where}: {text}", flush=True)
+
     wrapper = MACEWrapper(model)
     bridge = DistributedMLIP(wrapper, n_devices=1, exchange="deep_halo", tiles="auto", skin=0.0, headroom=1.0,
                              cuda_graphs=False, memory_budget=budget)
@@ -107,6 +112,7 @@ def _size(rep: cm.Report, table: cm.Table, model, kernel: str, dtype: str, n: in
     state = bridge.prepare(atoms.positions, atoms.numbers, atoms.cell.array, atoms.pbc)
     t_layout = time.perf_counter() - t0
     choice = bridge.tile_choice
+    phase(f"layout {t_layout:.1f} s, {choice.tiles} tiles; the first call ...")
     pos = state.cs.owned(np.asarray(atoms.positions, np.float64).astype(dtype), positions=True)
 
     def call():
@@ -115,6 +121,7 @@ def _size(rep: cm.Report, table: cm.Table, model, kernel: str, dtype: str, n: in
     t0 = time.perf_counter()
     energy, node_e, g_pos, _ = call()
     t_first = time.perf_counter() - t0
+    phase(f"first call {t_first:.1f} s; the timed rounds ...")
     measured, times = _rounds(call, min(rounds, 2) if t_first > 10 else rounds, dev if gpu else None)
     t_call = cm.med(times)
     if not gpu:
@@ -127,7 +134,7 @@ def _size(rep: cm.Report, table: cm.Table, model, kernel: str, dtype: str, n: in
     energy = float(energy)
     del bridge, state, pos, call, g_pos, node_e
     _free(gpu)
-    where = f"tiles {kernel} {dtype}, {len(atoms)} atoms"
+    phase(f"E+F {t_call:.3g} s; one nve step ...")
     try:  # a failed step is recorded; the size's other measurements stay
         nve_step, nve_call, nve_dx = _nve_step(wrapper, atoms, forces, dtype, budget, shared["cost"])
     except Exception as e:  # noqa: BLE001
@@ -136,6 +143,8 @@ def _size(rep: cm.Report, table: cm.Table, model, kernel: str, dtype: str, n: in
     if nve_dx > NVE_TOL[dtype]:
         rep.fail(f"{where}: one nve step lands {nve_dx:.1e} A from velocity Verlet's closed form")
     _free(gpu)
+    if shared["native"]:
+        phase("native MACE ...")
     nat = _native(rep, model, atoms, dtype, rounds, dev, gpu) if shared["native"] else None
     shared["native"] = nat is not None
     par, n_t, n_peak = "-", float("nan"), float("nan")
