@@ -115,6 +115,20 @@ def interleaved(runs: dict, warmup: int, rounds: int) -> dict[str, float]:
     return {k: 1e3 * statistics.median(v) for k, v in out.items()}
 
 
+def time_runs(runs: dict, row: dict, label: str, rounds: int, gpu: bool) -> None:
+    """Median ms per call of each run (in turns) into `row`, and on a GPU each run's busy time (`busy_<run>`)."""
+    row.update(interleaved(runs, warmup=3, rounds=rounds))
+    say(f"  [{label}] TIME ms per E+F: " + ", ".join(f"{k} {row[k]:.2f}" for k in runs))
+    if gpu:
+        for k in runs:
+            try:
+                row[f"busy_{k}"] = gpu_busy_ms(*runs[k])
+            except Exception as e:  # noqa: BLE001 - a profiler problem is reported, not a failed check
+                say(f"  [{label}] profiler failed for {k}: {type(e).__name__}: {e}")
+        say(f"  [{label}] GPU busy ms per E+F: " + ", ".join(
+            f"{k} {row[f'busy_{k}']:.2f}" for k in runs if f"busy_{k}" in row))
+
+
 def run_case(name: str, dtype: str, reps: int, a, device, gpu: bool, built: dict) -> dict:
     import jax
     import torch
@@ -194,16 +208,7 @@ def run_case(name: str, dtype: str, reps: int, a, device, gpu: bool, built: dict
             "eager": (lambda: eager.energy_and_gradients(se, pe, strain=False), jax.block_until_ready)}
     if native is not None:
         runs["native"] = (lambda: native(batch, training=False, compute_force=True), sync_t)
-    row.update(interleaved(runs, warmup=3, rounds=a.rounds))
-    say(f"  [{label}] TIME ms per E+F: " + ", ".join(f"{k} {row[k]:.2f}" for k in runs))
-    if gpu:
-        for k in runs:
-            try:
-                row[f"busy_{k}"] = gpu_busy_ms(*runs[k])
-            except Exception as e:  # noqa: BLE001 - a profiler problem is reported, not a failed check
-                say(f"  [{label}] profiler failed for {k}: {type(e).__name__}: {e}")
-        say(f"  [{label}] GPU busy ms per E+F: " + ", ".join(
-            f"{k} {row[f'busy_{k}']:.2f}" for k in runs if f"busy_{k}" in row))
+    time_runs(runs, row, label, a.rounds, gpu)
     del graphed, eager
     if gpu:
         torch.cuda.empty_cache()
@@ -265,14 +270,7 @@ def run_torch_case(name: str, dtype: str, reps: int, a, device, gpu: bool, built
 
         batch = mace_input(native, atoms, dtype=tdt, device=device)
         runs["native"] = (lambda: native(batch, training=False, compute_force=True), sync_t)
-    row.update(interleaved(runs, warmup=3, rounds=a.rounds))
-    say(f"  [{label}] TIME ms per E+F: " + ", ".join(f"{k} {row[k]:.2f}" for k in runs))
-    if gpu:
-        for k in runs:
-            try:
-                row[f"busy_{k}"] = gpu_busy_ms(*runs[k])
-            except Exception as e:  # noqa: BLE001 - a profiler problem is reported, not a failed check
-                say(f"  [{label}] profiler failed for {k}: {type(e).__name__}: {e}")
+    time_runs(runs, row, label, a.rounds, gpu)
     del graphed, eager
     if gpu:
         torch.cuda.empty_cache()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 
+from nvalchemi_jaxbridge.mlip import MPNNWrapper
 from tests.mlip._reference import alloy
 
 MACE_FILE = "JAXBRIDGE_TEST_MACE_FILE"  # a torch-saved copy of the test MACE, for worker processes
@@ -61,3 +62,20 @@ def mpnn_nve_reference():
     v = maxwell_boltzmann(masses, 300.0, seed=1)
     want = reference_nve(w.model, atoms, w.cutoff, w.node_attrs(atoms.numbers), v, masses, steps=100, dt=1.0)
     return w, atoms, masses, v, want
+
+
+class HostReadingMPNN(MPNNWrapper):
+    """The MPNN with a host read in every layer (a synchronisation on a GPU): it cannot be recorded."""
+
+    def interaction(self, i, g, h):
+        if float(h.abs().max()) > 1e30:
+            h = h / 2
+        return super().interaction(i, g, h)
+
+
+def check_fell_back_once(caplog, graphs, logger: str) -> None:
+    """`HostReadingMPNN`'s stages were not recorded: one WARNING line naming the model and the host read."""
+    lines = [r.getMessage() for r in caplog.records if r.name == logger]
+    assert len(lines) == 1, lines
+    assert "fake capture off for model 'mpnn'" in lines[0] and "__float__" in lines[0]
+    assert graphs.off is not None and graphs.replays == 0
