@@ -152,7 +152,8 @@ class EdgePlan:
         shift = np.zeros((d, cap, 3))  # `-image @ basis`: most images are zero, so only the others are multiplied
         for dev, (send, recv, moved, image) in enumerate(per_device):
             n = len(recv)
-            spare[dev] = np.resize(np.arange(pad_row[dev], hr, dtype=np.int32), cap)  # the padding rows, cycled
+            cycle = max(int(hr) - int(pad_row[dev]), 1)  # the padding rows, cycled (one array op: np.resize
+            spare[dev] = pad_row[dev] + np.arange(cap, dtype=np.int32) % cycle  # concatenates cap copies)
             edges[dev, :n, 0], edges[dev, :n, 1] = send, recv
             edges[dev, n:, 0] = edges[dev, n:, 1] = spare[dev, n:]
             shift[dev, moved] = -(image @ plan.basis)
