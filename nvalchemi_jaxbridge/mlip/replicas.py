@@ -13,8 +13,10 @@ each evaluation), the original's parameters and buffers are compared with what t
 copy last took (each tensor's storage and in-place version counter), and any change
 (`load_state_dict`, an optimiser step, `param.data = ...` of the same shape and
 dtype) is copied into the copy's tensors in place, so a stage recorded as a CUDA
-graph on that device keeps reading the right storage. Adding, removing or
-reshaping parameters (or changing their dtype) under a live model is refused with
+graph on that device keeps reading the right storage. The wrapper's own other attributes (a
+cutoff, a scale, a tensor it holds) are followed when set again or, for a tensor,
+changed in place; a container changed in place (a list appended to) is not seen.
+Adding, removing or reshaping parameters (or changing their dtype) under a live model is refused with
 an error (build a new `DistributedMLIP`); a change of the wrapper's cutoff, layer
 count or dtype gives new stages, and new copies (`DistributedMLIP._sync`).
 Calls come from XLA's per-device threads at once, so the copies are made and
@@ -51,6 +53,19 @@ def _stamp(tensors: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
     return tuple((t.data_ptr(), t._version) for t in tensors)
 
 
+def _settings(wrapper: Any) -> dict[str, Any]:
+    """The wrapper's own attributes other than its modules (a cutoff, a scale, a table, a tensor it holds);
+    for a wrapper that is itself a module, its public ones (not torch's bookkeeping)."""
+    module = isinstance(wrapper, torch.nn.Module)
+    return {k: v for k, v in vars(wrapper).items()
+            if not isinstance(v, torch.nn.Module) and not (module and k.startswith("_"))}
+
+
+def _settings_stamp(values: dict[str, Any]) -> tuple:
+    """Each attribute's object (and a tensor's version): an attribute set again, or a tensor changed in place."""
+    return tuple((k, id(v), v._version if isinstance(v, torch.Tensor) else None) for k, v in values.items())
+
+
 def copy_to(wrapper: Any, device: torch.device) -> Any:
     """A deep copy of `wrapper` with its modules and the tensors it holds directly on `device`."""
     with torch.no_grad():
@@ -62,6 +77,23 @@ def copy_to(wrapper: Any, device: torch.device) -> Any:
                 if isinstance(value, torch.Tensor):
                     setattr(replica, name, value.to(device))
     return replica
+
+
+def _set(wrapper: Any, replica: Any, names: list[str], device: torch.device) -> None:
+    """The original's attributes `names` set again on `replica`: tensors moved to `device`, the rest deep-copied
+    with the original's modules, parameters and buffers standing for the copy's own (a list of layers stays
+    a list of the copy's layers)."""
+    memo: dict[int, Any] = {}
+    for mine, theirs in zip(wrapper_modules(wrapper), wrapper_modules(replica)):
+        for a, b in zip(itertools.chain(mine.modules(), mine.parameters(), mine.buffers()),
+                        itertools.chain(theirs.modules(), theirs.parameters(), theirs.buffers())):
+            memo[id(a)] = b
+    with torch.no_grad():
+        for name in names:
+            value = getattr(wrapper, name)
+            setattr(replica, name, memo[id(value)] if id(value) in memo else
+                    value.detach().to(device, copy=True) if isinstance(value, torch.Tensor) else
+                    copy.deepcopy(value, memo))
 
 
 class WrapperReplicas:
@@ -96,12 +128,16 @@ class WrapperReplicas:
             if not own or homes == {device}:
                 self._current[device] = self.wrapper
                 return self.wrapper
-            stamp = _stamp(own)
+            settings = _settings(self.wrapper)
+            stamp = (_stamp(own), _settings_stamp(settings))
             held = self._copies.get(device)
             if held is None:
                 held = self._copies[device] = (copy_to(self.wrapper, device), stamp)
             elif held[1] != stamp:
-                self._refresh(held[0], own, device)
+                if held[1][0] != stamp[0]:
+                    self._refresh(held[0], own, device)
+                if held[1][1] != stamp[1]:
+                    _set(self.wrapper, held[0], [k for k, *rest in stamp[1] if (k, *rest) not in held[1][1]], device)
                 held = self._copies[device] = (held[0], stamp)
             self._current[device] = held[0]
             return held[0]

@@ -64,6 +64,22 @@ def test_an_in_place_change_is_seen_at_the_next_check_only():
     assert rep.on(META) is meta and seen == [META]  # nothing changed since
 
 
+def test_the_wrappers_other_attributes_follow_the_original():
+    w = _mpnn()
+    w.scale, w.table = 1.0, torch.ones(3, dtype=torch.float64)
+    rep = WrapperReplicas(w)
+    meta = rep.on(META)
+    assert meta.scale == 1.0 and meta.table.device == META
+    w.scale = 2.0  # set again
+    assert rep.on(META, check=False).scale == 1.0 and rep.on(META).scale == 2.0
+    before = meta.table
+    w.table.mul_(2.0)  # changed in place
+    assert rep.on(META).table is not before and meta.table.device == META
+    w.layers = [w.model]  # a container of the model's own modules: the copy's modules, not new ones
+    assert rep.on(META).layers[0] is meta.model
+    assert {t.device for t in weights(meta)} == {META} and rep.copies() == {META: meta}
+
+
 def test_a_model_moved_after_its_first_check_is_followed():
     w = _mpnn()
     rep = WrapperReplicas(w)
