@@ -39,7 +39,8 @@ def check(name: str, dtype: str) -> list[str]:
     import torch
 
     from nvalchemi_jaxbridge.mlip import DistributedMLIP
-    from nvalchemi_jaxbridge.mlip.replicas import copy_to, weights
+    from nvalchemi_jaxbridge.mlip.replicas import copy_to
+    from nvalchemi_jaxbridge.mlip.torch_device import weights
 
     fails = []
     atoms = alloy(7)

@@ -32,20 +32,7 @@ from typing import Any
 
 import torch
 
-from .torch_device import wrapper_modules
-
-
-def weights(wrapper: Any) -> list[torch.Tensor]:
-    """The parameters and buffers of the wrapper's modules, in a fixed order (what a stage reads)."""
-    return [t for m in wrapper_modules(wrapper) for t in itertools.chain(m.parameters(), m.buffers())]
-
-
-def _first(wrapper: Any) -> torch.Tensor | None:
-    """The first of `weights(wrapper)`, found without walking the others."""
-    for m in wrapper_modules(wrapper):
-        for t in itertools.chain(m.parameters(), m.buffers()):
-            return t
-    return None
+from .torch_device import first_weight, normalized_device, weights, wrapper_modules
 
 
 def _stamp(tensors: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
@@ -113,13 +100,12 @@ class WrapperReplicas:
         them only (a model moved with `.to()` moves or replaces it too); elsewhere it walks every
         parameter and buffer.
         """
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = normalized_device(device)
         if not check and device in self._current:
             return self._current[device]
         probe = self._probe
         if probe is not None and probe.device == device and self._current.get(device) is self.wrapper \
-                and _first(self.wrapper) is probe:
+                and first_weight(self.wrapper) is probe:
             return self.wrapper
         with self._lock:
             own = weights(self.wrapper)

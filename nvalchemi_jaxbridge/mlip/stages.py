@@ -42,8 +42,8 @@ from ..kernels.cuda_graphs import AUTO_MAX_ROWS, StageGraphs, capture_backend
 from ..kernels.torch_fn import torch_function
 from . import contract
 from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, node_energies_of, with_edge_features
-from .replicas import WrapperReplicas, weights
-from .torch_device import model_devices
+from .replicas import WrapperReplicas
+from .torch_device import model_devices, weights
 
 
 def block_graph(positions: torch.Tensor, node_attrs: torch.Tensor, edges: torch.Tensor,
@@ -83,6 +83,9 @@ def _n_edge_features(wrapper: MessagePassingWrapper, device: torch.device) -> in
     with torch.no_grad():
         feats = contract.edge_features(wrapper, g, wrapper.edge_features(g), "shape probe on a one-edge block")
     return 0 if feats is None else len(as_tuple(feats))
+
+
+FIRST_OPS = ("layer_0", "whole")  # the labels of the op an evaluation starts with (it checks the weights)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -174,8 +177,7 @@ class Stages:
         name = self.wrapper.name
 
         def wrap(fn: Any, label: str) -> Any:  # the first op of an evaluation checks the weights' storage
-            return None if fn is None else self.graphs.wrap(fn, f"{name}_{label}",
-                                                            checks_weights=label in ("layer_0", "whole"))
+            return None if fn is None else self.graphs.wrap(fn, f"{name}_{label}", checks_weights=label in FIRST_OPS)
 
         return dataclasses.replace(fns, first=wrap(fns.first, "layer_0"), last=wrap(fns.last, fns.labels[-1]),
                                    middle=tuple(wrap(f, f"layer_{i + 1}") for i, f in enumerate(fns.middle)),
@@ -187,7 +189,7 @@ class Stages:
 
         def op(run, n_in: int, n_out: int, label: str) -> Any:
             record = contract.ShapeRecord(wrapper, f"'{name}_{label}' of the JAX door")
-            first_op = label in ("layer_0", "whole")  # the first op of a program
+            first_op = label in FIRST_OPS
 
             def checked(*arrays):
                 replicas.on(arrays[0].device, check=first_op)  # outside any recording: copies follow the weights
@@ -210,18 +212,15 @@ class Stages:
 
 def stage_functions(wrapper: MessagePassingWrapper, n_features: int, n_edge_features: int,
                     n_receivers: int | None, door: str,
-                    on: Callable[[torch.Tensor], MessagePassingWrapper] | None = None) -> StageOps:
+                    on: Callable[[torch.Tensor], MessagePassingWrapper]) -> StageOps:
     """A wrapper's stages as torch functions of tensors (the bodies of the stage ops; see the module docstring).
 
     Each takes the four graph tensors, then its own (the table above), and returns a tensor or a
     tuple of them; `door` names the caller in the wrapper's errors. `on(t)`: the wrapper to run on
-    `t`'s device (`WrapperReplicas.on`; default: `wrapper` itself).
+    `t`'s device (`WrapperReplicas.on`).
     """
     n, n_edge = n_features, n_edge_features
     name, n_layers = wrapper.name, wrapper.n_layers
-    if on is None:
-        def on(t: torch.Tensor) -> MessagePassingWrapper:
-            return wrapper
 
     def graph(pos, attrs, edges, shifts, edge_features=None) -> BlockGraph:
         return block_graph(pos, attrs, edges, shifts, n_receivers, edge_features)

@@ -40,13 +40,25 @@ def wrapper_modules(wrapper: Any) -> list[torch.nn.Module]:
     return [v for v in vars(wrapper).values() if isinstance(v, torch.nn.Module)]
 
 
+def weights(wrapper: Any) -> list[torch.Tensor]:
+    """The parameters and buffers of the wrapper's modules, in a fixed order (what its stages read)."""
+    return [t for m in wrapper_modules(wrapper) for t in itertools.chain(m.parameters(), m.buffers())]
+
+
+def first_weight(wrapper: Any) -> torch.Tensor | None:
+    """The first of `weights(wrapper)`, found without walking the others (None if it has none)."""
+    for m in wrapper_modules(wrapper):
+        for t in itertools.chain(m.parameters(), m.buffers()):
+            return t
+    return None
+
+
 def model_devices(wrapper: Any) -> set[torch.device]:
     """The devices of the wrapper's parameters and buffers (empty if it has none that are found)."""
-    mods = wrapper_modules(wrapper)
-    return {t.device for m in mods for t in itertools.chain(m.parameters(), m.buffers())}
+    return {t.device for t in weights(wrapper)}
 
 
-def _normalized(device: Any) -> torch.device:
+def normalized_device(device: Any) -> torch.device:
     """`device` as a torch device with its index (`"cuda"` is the current CUDA device)."""
     d = torch.device(device)
     if d.type == "cuda" and d.index is None:

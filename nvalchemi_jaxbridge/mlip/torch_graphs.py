@@ -33,6 +33,21 @@ from .model_layout import padding_length
 from .stages import Stages, run_stages
 
 
+def uploaded(state: Any, key: tuple, device: torch.device, host: Callable[[], tuple[torch.Tensor, ...]]
+             ) -> tuple[torch.Tensor, ...]:
+    """`host()`'s tensors copied to `device` once per layout (kept in `state.uploaded` under `key`)."""
+    hit = state.uploaded.get(key)
+    if hit is None:
+        hit = state.uploaded[key] = tuple(t.to(device) for t in host())
+    return hit
+
+
+def block_attrs(wrapper: Any, state: Any, rank: int, n_real: int, rows: int) -> np.ndarray:
+    """`(rows, A)` node attributes of the rank's block: its `n_real` atoms' rows, then zero (padding) rows."""
+    attrs = wrapper.node_attrs(state.numbers)[state.plan.halo_global[rank, :n_real]]
+    return np.concatenate([attrs, np.zeros((rows - n_real, attrs.shape[1]), attrs.dtype)])
+
+
 def capacity_inputs(state: Any, ctx: Any, wrapper: Any, device: torch.device, dtype: torch.dtype
                     ) -> tuple[torch.Tensor, ...]:
     """The layout's static block inputs at its capacities on `device`, uploaded once per layout (`state.uploaded`).
@@ -43,32 +58,30 @@ def capacity_inputs(state: Any, ctx: Any, wrapper: Any, device: torch.device, dt
         int32 and the node attributes `(hr, A)` (zero on padding rows), for `hr = halo_rows` and
         `E = edge_capacity`.
     """
-    key = ("capacities", ctx.rank, device, dtype)
-    hit = state.uploaded.get(key)
-    if hit is not None:
-        return hit
     plan, e, rank = state.plan, state.edges, ctx.rank
     n_real, hr = ctx.n_owned + ctx.n_ghost, plan.halo_rows
-    attrs = wrapper.node_attrs(state.numbers)[plan.halo_global[rank, :n_real]]
-    attrs = np.concatenate([attrs, np.zeros((hr - n_real, attrs.shape[1]), attrs.dtype)])
-    host = (
+    return uploaded(state, ("capacities", rank, device, dtype), device, lambda: (
         torch.tensor(plan.halo_offset[rank, n_real:hr], dtype=dtype),
         torch.as_tensor(np.ascontiguousarray(e.edges[rank]), dtype=torch.int32),
         torch.tensor(e.shift[rank], dtype=dtype),
         torch.as_tensor(np.ascontiguousarray(e.spare[rank]), dtype=torch.int32),
-        torch.tensor(attrs, dtype=dtype),
-    )
-    hit = state.uploaded[key] = tuple(t.to(device) for t in host)
-    return hit
+        torch.tensor(block_attrs(wrapper, state, rank, n_real, hr), dtype=dtype),
+    ))
+
+
+def within(block: torch.Tensor, senders: torch.Tensor, receivers: torch.Tensor, shift: torch.Tensor,
+           cutoff: float) -> torch.Tensor:
+    """`(E,)` True on the edges shorter than `cutoff` at `block`'s positions (not differentiated)."""
+    with torch.no_grad():
+        d = block[receivers] - block[senders] + shift
+        return (d * d).sum(1) < cutoff * cutoff
 
 
 def active_edges(block: torch.Tensor, edges: torch.Tensor, shift: torch.Tensor, spare: torch.Tensor,
                  cutoff: float, far: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Edges within `cutoff` at `block`'s positions kept, the others made padding edges (`(spare, spare)`, a
     shift of `far` along x); the torch twin of `model_layout.active_edges`, with no value read on the host."""
-    with torch.no_grad():
-        d = block[edges[:, 1]] - block[edges[:, 0]] + shift
-        keep = (edges[:, 0] != spare) & ((d * d).sum(1) < cutoff * cutoff)
+    keep = (edges[:, 0] != spare) & within(block, edges[:, 0], edges[:, 1], shift, cutoff)
     out = torch.where(keep[:, None], edges, spare[:, None])
     pad = torch.tensor([far, 0.0, 0.0], dtype=shift.dtype, device=shift.device)
     return out, torch.where(keep[:, None], shift, pad)

@@ -49,9 +49,9 @@ from .memory_probe import ModelCost, probe_cost
 from .tile_choice import TileChoice, layout_tiles
 from .tiles import TilePlan, check_tiles, refuse_tiles
 from .stages import Stages
-from .torch_graphs import capacity_inputs, graphed_node_energies
+from .torch_graphs import block_attrs, capacity_inputs, graphed_node_energies, uploaded, within
 from .torch_tiles import rank_tiles, tiled_node_energies
-from .torch_device import _normalized, rank_device as rank_device, torch_device as torch_device
+from .torch_device import normalized_device, rank_device as rank_device, torch_device as torch_device
 from .torch_device import model_devices as model_devices, wrapper_modules as wrapper_modules
 from .protocol import BlockGraph, MessagePassingWrapper, as_tuple, like, numpy_dtype, with_edge_features
 from .specs import RunSettings, as_mlip_spec, cell_volume, check_model, run_settings, stress_wanted
@@ -190,7 +190,7 @@ class TorchDistributedMLIP:
         self.model = StagedModel(wrapper)
         self._token = new_token()
         self._fingerprint = self.fingerprint()
-        self.requested_device = None if device is None else _normalized(device)
+        self.requested_device = None if device is None else normalized_device(device)
         if self.requested_device is not None:
             for module in wrapper_modules(wrapper):
                 module.to(self.requested_device)
@@ -440,22 +440,14 @@ class TorchDistributedMLIP:
 
         Built on the host and copied to the device once per layout (kept in `state.uploaded`).
         """
-        key = (ctx.rank, device, dtype)
-        hit = state.uploaded.get(key)
-        if hit is not None:
-            return hit
         plan, e, rank = state.plan, state.edges, ctx.rank
         n_pad, n_e = ctx.n_owned + ctx.n_ghost, int(e.n_edges[rank])
-        attrs = self.wrapper.node_attrs(state.numbers)[plan.halo_global[rank, :n_pad]]
-        attrs = np.concatenate([attrs, np.zeros((1, attrs.shape[1]), attrs.dtype)])
-        host = (
+        return uploaded(state, (rank, device, dtype), device, lambda: (
             torch.tensor(plan.halo_offset[rank, n_pad: n_pad + 1], dtype=dtype),
             torch.as_tensor(e.edges[rank, :n_e], dtype=torch.int64).T.contiguous(),
             torch.tensor(e.shift[rank, :n_e], dtype=dtype),
-            torch.tensor(attrs, dtype=dtype),
-        )
-        hit = state.uploaded[key] = tuple(t.to(device) for t in host)
-        return hit
+            torch.tensor(block_attrs(self.wrapper, state, rank, n_pad, n_pad + 1), dtype=dtype),
+        ))
 
     def _graph(self, block: torch.Tensor, attrs: torch.Tensor, ei: torch.Tensor, shift: torch.Tensor, *,
                n_receivers: int | None) -> BlockGraph:
@@ -471,9 +463,7 @@ class TorchDistributedMLIP:
 
     def _kept(self, block: torch.Tensor, ei: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
         """`(E,)` True on the block edges within the cutoff at these positions."""
-        with torch.no_grad():
-            d = block[ei[1]] - block[ei[0]] + shift
-            return (d * d).sum(1) < self.wrapper.cutoff**2
+        return within(block, ei[0], ei[1], shift, self.wrapper.cutoff)
 
     @staticmethod
     def _rank_tiles(state: TorchState, ctx: Any, device: torch.device) -> Any:

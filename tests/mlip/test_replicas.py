@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from nvalchemi_jaxbridge.mlip import DistributedMLIP, MPNN, MPNNWrapper
-from nvalchemi_jaxbridge.mlip.replicas import WrapperReplicas, copy_to, weights
+from nvalchemi_jaxbridge.mlip.replicas import WrapperReplicas, copy_to
+from nvalchemi_jaxbridge.mlip.torch_device import weights
 from tests.mlip import cases
 
 META, CPU = torch.device("meta"), torch.device("cpu")
