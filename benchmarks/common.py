@@ -237,6 +237,17 @@ def is_oom(e: BaseException) -> bool:
     return "out of memory" in text or "resource_exhausted" in text or "outofmemory" in text
 
 
+def free_memory(gpu: bool) -> None:
+    """Collect garbage and, on a GPU, give torch's cached blocks back (between sizes and ways)."""
+    import gc
+
+    gc.collect()
+    if gpu:
+        import torch
+
+        torch.cuda.empty_cache()
+
+
 def reset_peaks(platform: str) -> None:
     """Reset torch's peak-memory counters on every GPU (JAX's peak cannot be reset: it is the process's)."""
     if platform == "gpu":

@@ -21,7 +21,6 @@ float64 sums of the node energies, forces), a failure where it is off.
 
 from __future__ import annotations
 
-import gc
 import time
 
 import numpy as np
@@ -78,7 +77,7 @@ def run(rep: cm.Report, opt) -> None:
                 return
             with rep.section(f"tile ways, {len(atoms)} atoms, {t} tiles"):
                 _one(rep, table, model, dtype, atoms, batch, whole, t, rounds, budget, opt, dev)
-            _free(gpu)
+            cm.free_memory(gpu)
         del batch, whole
 
 
@@ -115,12 +114,10 @@ def _one(rep: cm.Report, table: cm.Table, model, dtype: str, atoms, batch, whole
     info["deep halo"]["layout"] = time.perf_counter() - t0
     pos_jax = None if state is None else state.cs.owned(np.asarray(atoms.positions, np.float64).astype(dtype),
                                                         positions=True)
-    if state is None:
-        pass
-    elif state.tiles is None:
+    if state is not None and state.tiles is None:
         r = state.rows_per_device()[0]
         info["deep halo"].update(rows=r["owned"] + r["ghost"], largest=f"{r['owned'] + r['ghost']:,} / {r['edges']:,}")
-    else:
+    elif state is not None:
         k = int(np.argmax(state.tiles.n_rows[0]))
         info["deep halo"].update(rows=int(state.tiles.n_rows[0].sum()),
                                  largest=f"{int(state.tiles.n_rows[0, k]):,} / {int(state.tiles.n_edges[0].max()):,}")
@@ -186,7 +183,7 @@ def _turns(calls: dict, rounds: int, sync, gpu_dev, info: dict) -> tuple[dict, d
             if way == "native" or not _expected(e):
                 raise
             info[way]["error"] = _said(e)
-            _free(gpu_dev is not None)
+            cm.free_memory(gpu_dev is not None)
     times = {way: [] for way in WAYS}
     peaks = {way: float("nan") for way in WAYS}
     for _ in range(rounds):
@@ -220,11 +217,3 @@ def _numbers(out) -> tuple[float, float, np.ndarray]:
     energy, node_e, forces = out
     as_np = lambda x: np.asarray(x.double().cpu() if hasattr(x, "double") else x, np.float64)  # noqa: E731
     return float(as_np(energy)), float(as_np(node_e).sum()), as_np(forces)
-
-
-def _free(gpu: bool) -> None:
-    gc.collect()
-    if gpu:
-        import torch
-
-        torch.cuda.empty_cache()

@@ -26,7 +26,6 @@ not shrink them): it checks the code paths, the parity and the memory model on a
 
 from __future__ import annotations
 
-import gc
 import time
 
 import numpy as np
@@ -83,7 +82,7 @@ def run(rep: cm.Report, opt) -> None:
                     points.append(_size(rep, table, model, kernel, dtype, n, rounds, budget, shared, opt, dev))
                     write_plot(points, opt.out / f"tiles_{kernel}_{dtype}.svg",
                                f"MACE ({kernel}, {dtype}) on {rep.ctx['device']}")
-                _free(gpu)
+                cm.free_memory(gpu)
                 if len(points) == before:  # the bridge failed at this size: larger ones would too
                     break
             _targets(rep, kernel, dtype, points)
@@ -133,7 +132,7 @@ def _size(rep: cm.Report, table: cm.Table, model, kernel: str, dtype: str, n: in
     nodes = float(np.asarray(state.cs.to_global(node_e), np.float64).sum())
     energy = float(energy)
     del bridge, state, pos, call, g_pos, node_e
-    _free(gpu)
+    cm.free_memory(gpu)
     phase(f"E+F {t_call:.3g} s; one nve step ...")
     try:  # a failed step is recorded; the size's other measurements stay
         nve_step, nve_call, nve_dx = _nve_step(wrapper, atoms, forces, dtype, budget, shared["cost"])
@@ -142,7 +141,7 @@ def _size(rep: cm.Report, table: cm.Table, model, kernel: str, dtype: str, n: in
         rep.fail(f"{where}: one nve step: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
     if nve_dx > NVE_TOL[dtype]:
         rep.fail(f"{where}: one nve step lands {nve_dx:.1e} A from velocity Verlet's closed form")
-    _free(gpu)
+    cm.free_memory(gpu)
     if shared["native"]:
         phase("native MACE ...")
     nat = _native(rep, model, atoms, dtype, rounds, dev, gpu) if shared["native"] else None
@@ -267,12 +266,6 @@ def _cpu_peak(call) -> float:
     return float(max(np.cumsum([b for _, b in steps]).max(), 0.0)) if steps else float("nan")
 
 
-def _free(gpu: bool) -> None:
-    gc.collect()
-    if gpu:
-        import torch
-
-        torch.cuda.empty_cache()
 
 
 def _targets(rep: cm.Report, kernel: str, dtype: str, points: list[Point]) -> None:
